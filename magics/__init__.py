@@ -1,0 +1,21 @@
+"""The IPython layer: argument parsing and display only; the logic lives in notebook_dist.
+
+Installed as ``notebook_dist.magics`` (pyproject maps this folder there).
+"""
+
+from __future__ import annotations
+
+
+def load_ipython_extension(ipython) -> None:
+    from .magics import DistMagics
+
+    magics = DistMagics(ipython)
+    ipython.register_magics(magics)
+    ipython._notebook_dist_magics = magics
+
+
+def unload_ipython_extension(ipython) -> None:
+    magics = getattr(ipython, "_notebook_dist_magics", None)
+    if magics is not None:
+        magics.autodist(False)
+        magics.shutdown_cluster(quiet=True)

@@ -1,0 +1,258 @@
+"""``%dist_*`` line magics and the ``%%distributed`` / ``%%rank`` cell magics."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from notebook_dist import session
+from notebook_dist.cluster import DistCluster
+from notebook_dist.errors import PreflightError, RankSpecError
+
+
+def _usage(exc: Exception) -> UsageError:
+    return UsageError(str(exc))
+
+
+@magics_class
+class DistMagics(Magics):
+    """Magics for running cells on every rank of a torch.distributed cluster."""
+
+    _autodist_on = False
+
+    # ---- cluster -------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("-n", type=int, default=None, help="number of ranks (default: one per GPU, or 2 on CPU)")
+    @argument("--backend", default="auto", help="auto (NCCL when every rank has its own GPU, else Gloo), gloo or nccl")
+    @argument("--gpus", default=None, help="GPU indices to use, e.g. 0,1 (default: all visible)")
+    @argument("--timeout", type=float, default=None, help="collective timeout in seconds (default 300)")
+    @line_magic
+    def dist_init(self, line: str = ""):
+        """Start the ranks: one engine per GPU (or -n CPU ranks), process group ready.
+
+        In [1]: %dist_init -n 2
+        rank  host  pid    device  backend
+        0     vm    81723  cpu     gloo
+        1     vm    81724  cpu     gloo
+
+        Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+        MASTER_PORT as torchrun sets them. Running it again with the same arguments
+        keeps the live cluster; with other arguments it replaces it.
+        """
+        args = parse_argstring(self.dist_init, line)
+        try:
+            wanted = DistCluster(n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout)
+        except PreflightError as exc:
+            raise _usage(exc) from None
+        live = session.current()
+        if live is not None:
+            if live.request == wanted.request:
+                print(f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend}).")
+                return
+            print(
+                f"notebook_dist: replacing the running cluster ({live.world_size} ranks, {live.backend}) "
+                f"with {wanted.world_size} ranks, {wanted.backend}; its ranks' variables are lost."
+            )
+            session.shutdown()
+        self._start(wanted)
+
+    def _start(self, cluster: DistCluster) -> DistCluster:
+        cluster.start()
+        session.set_current(cluster)
+        print(cluster.table())
+        for note in cluster.notes:
+            print(f"note: {note}")
+        return cluster
+
+    def _cluster(self) -> DistCluster:
+        cluster = session.current()
+        if cluster is None:
+            cluster = DistCluster()
+            print(
+                f"notebook_dist: no cluster was running; starting {cluster.world_size} ranks "
+                f"({cluster.backend}), as %dist_init would."
+            )
+            self._start(cluster)
+        return cluster
+
+    def _live_cluster(self) -> DistCluster:
+        cluster = session.current()
+        if cluster is None:
+            raise UsageError("no cluster is running: start one with %dist_init")
+        return cluster
+
+    @line_magic
+    def dist_status(self, line: str = ""):
+        """Show every rank: host, pid, device, backend, state and process-group health.
+
+        In [2]: %dist_status
+        """
+        if line.strip():
+            raise UsageError("%dist_status takes no arguments")
+        cluster = session.current()
+        if cluster is None:
+            print("notebook_dist: no cluster is running (start one with %dist_init).")
+            return
+        rows = cluster.status()
+        print(f"{cluster.world_size} ranks, backend {cluster.backend}")
+        print(cluster.table(rows, ("rank", "host", "pid", "device", "backend", "state", "process_group")))
+
+    @line_magic
+    def dist_shutdown(self, line: str = ""):
+        """Stop every process this notebook started for its cluster.
+
+        In [9]: %dist_shutdown
+        """
+        if line.strip():
+            raise UsageError("%dist_shutdown takes no arguments")
+        self.shutdown_cluster()
+
+    def shutdown_cluster(self, quiet: bool = False) -> None:
+        stopped = session.shutdown()
+        if not quiet:
+            print("notebook_dist: cluster stopped." if stopped else "notebook_dist: no cluster was running.")
+
+    # ---- running cells -------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("--ranks", default="all", help="ranks to run on: all, 0, 0,2 or 1-3 (default all)")
+    @argument("--gather", nargs="+", default=[], metavar="NAME", help="bind these variables in the notebook as RankValues")
+    @argument("--autodist", action="store_true", help="set by %%autodist: the cell has no magic line of its own")
+    @cell_magic
+    def distributed(self, line: str, cell: str):
+        """Run the cell on every rank at once (or on --ranks).
+
+        In [3]: %%distributed
+           ...: t = torch.ones(2) * (dist.get_rank() + 1)
+           ...: dist.all_reduce(t)
+           ...: t
+        Out[3]: RankValues (2 ranks)
+                [rank 0] tensor([3., 3.])
+                [rank 1] tensor([3., 3.])
+
+        Output streams live, tagged by rank. The value is a RankValues (rank -> value);
+        --gather x y also binds x and y in the notebook. If any rank raises, each
+        rank's traceback is shown once and the cell fails.
+        """
+        args = parse_argstring(self.distributed, line)
+        return self._run(cell, args.ranks, args.gather, header=None if args.autodist else f"%%distributed {line}".rstrip())
+
+    @cell_magic
+    def rank(self, line: str, cell: str):
+        """Run the cell on some ranks only: ``%%rank SPEC`` is ``%%distributed --ranks SPEC``.
+
+        In [4]: %%rank 0
+           ...: print("only rank 0 runs this")
+        """
+        spec = line.strip()
+        if not spec:
+            raise UsageError("%%rank needs ranks, e.g. %%rank 0 or %%rank 0,2 or %%rank 1-3")
+        return self._run(cell, spec, [], header=f"%%rank {line}".rstrip())
+
+    def _run(self, cell: str, ranks: str, gather: list[str], header: str | None):
+        for name in gather:
+            if not name.isidentifier():
+                raise UsageError(f"--gather {name!r}: not a valid Python name")
+        cluster = session.current()
+        planned = cluster if cluster is not None else DistCluster()
+        try:
+            planned.select(ranks)  # a bad spec is refused before anything starts
+        except RankSpecError as exc:
+            raise _usage(exc) from None
+        cluster = self._cluster()
+        filename = f"Cell In[{self.shell.displayhook.prompt_count}]"  # IPython's own Out[N] number
+        result = cluster.run(cell, ranks, gather, filename=filename, header=header)
+        for name, values in result.gathered.items():
+            self.shell.user_ns[name] = values
+        result.raise_for_errors()
+        return result.values
+
+    # ---- moving values -------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("names", nargs="+", metavar="NAME", help="notebook variables to send")
+    @argument("--ranks", default="all", help="ranks to send to (default all)")
+    @line_magic
+    def dist_push(self, line: str = ""):
+        """Send notebook variables to the ranks (cloudpickle: functions and classes work).
+
+        In [5]: %dist_push lr model_fn
+        """
+        args = parse_argstring(self.dist_push, line)
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
+        cluster = self._live_cluster()
+        try:
+            cluster.push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
+        except RankSpecError as exc:
+            raise _usage(exc) from None
+
+    @magic_arguments()
+    @argument("names", nargs="+", metavar="NAME", help="rank variables to fetch")
+    @argument("--ranks", default="all", help="ranks to fetch from (default all)")
+    @line_magic
+    def dist_pull(self, line: str = ""):
+        """Fetch variables from the ranks; each is bound in the notebook as RankValues.
+
+        In [6]: %dist_pull loss
+        In [7]: loss[1]
+        """
+        args = parse_argstring(self.dist_pull, line)
+        cluster = self._live_cluster()
+        try:
+            pulled = cluster.pull(args.names, ranks=args.ranks)
+        except RankSpecError as exc:
+            raise _usage(exc) from None
+        self.shell.user_ns.update(pulled)
+        if len(pulled) == 1:
+            return next(iter(pulled.values()))
+
+    # ---- autodist ------------------------------------------------------------------
+
+    @line_magic("autodist")
+    def autodist_magic(self, line: str = ""):
+        """``%autodist on``: every following cell runs distributed, until ``%autodist off``.
+
+        In [8]: %autodist on
+        A cell that starts with %%local runs in the notebook kernel instead.
+        """
+        word = line.strip().lower()
+        if word not in ("on", "off"):
+            raise UsageError("use %autodist on or %autodist off")
+        self.autodist(word == "on")
+        print(f"notebook_dist: autodist {word}.")
+
+    def autodist(self, on: bool) -> None:
+        transformers = self.shell.input_transformers_cleanup
+        if on and _autodist_transform not in transformers:
+            transformers.append(_autodist_transform)
+        if not on and _autodist_transform in transformers:
+            transformers.remove(_autodist_transform)
+        self._autodist_on = on
+
+    @cell_magic
+    def local(self, line: str, cell: str):
+        """Run this cell in the notebook kernel (only needed while %autodist is on).
+
+        In [9]: %%local
+           ...: print("in the kernel")
+        """
+        result = self.shell.run_cell(cell)
+        if result.error_in_exec is not None:
+            raise result.error_in_exec
+
+
+def _autodist_transform(lines: list[str]) -> list[str]:
+    """Cleanup transformer used while %autodist is on: route plain cells to the ranks."""
+    first = next((ln.strip() for ln in lines if ln.strip()), "")
+    if not first:
+        return lines
+    if first.startswith("%%local"):
+        i = next(i for i, ln in enumerate(lines) if ln.strip())
+        return lines[:i] + lines[i + 1 :]
+    if first.startswith("%%") or first.startswith("%autodist") or first.startswith("%dist_"):
+        return lines
+    return ["%%distributed --autodist\n", *lines]

@@ -1,0 +1,461 @@
+"""DistCluster: an ipyparallel cluster whose engines are torch.distributed ranks.
+
+The Python API every magic calls; it works without IPython:
+
+>>> from notebook_dist import DistCluster
+>>> with DistCluster(n=2) as c:
+...     c.run("import torch.distributed as dist\\ndist.get_rank()").values
+RankValues({0: 0, 1: 1})
+
+Ranks are positions in the cluster's ordered engine list, never raw engine ids
+(ids change when engines restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from . import launch
+from .config import DistConfig
+from .errors import ClusterError, TransferError
+from .execute import CellResult, OutputStreamer, PreparedCell, collect, prepare_cell
+from .plan import ClusterPlan, plan_cluster
+from .ranks import parse_ranks
+from .reaper import Reaper
+from .runtime import bootstrap as rt_bootstrap
+from .runtime import cell as rt_cell
+from .values import RankValues, pack_named, unpack
+
+log = logging.getLogger("notebook_dist")
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    engine_id: int
+    host: str
+    pid: int
+    device: str
+    backend: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class DistCluster:
+    """A set of ranks, one ipyparallel engine each, with the default process group ready.
+
+    ``DistCluster(n=None, backend="auto", gpus=None, timeout=None)`` decides the layout
+    at once (raising :class:`PreflightError` for a request that cannot work) and starts
+    nothing until :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        backend: str = "auto",
+        gpus: str | list[int] | None = None,
+        timeout: float | None = None,
+        *,
+        config: DistConfig | None = None,
+        gpu_ids: list[str] | None = None,
+    ):
+        self.config = config or DistConfig()
+        if timeout is not None:
+            if timeout <= 0:
+                from .errors import PreflightError
+
+                raise PreflightError(f"--timeout {timeout}: give a positive number of seconds")
+            self.config.timeout_s = float(timeout)
+        self.request = {"n": n, "backend": (backend or "auto").lower(), "gpus": gpus, "timeout": self.config.timeout_s}
+        self.plan: ClusterPlan = plan_cluster(n, backend, gpus, gpu_ids=gpu_ids)
+        self.ranks: list[RankInfo] = []
+        self.notes: list[str] = list(self.plan.notes)
+        self.startup_s: float | None = None
+        self._cluster = None
+        self._client = None
+        self._engine_ids: list[int] = []
+        self._launchers: dict[int, Any] = {}  # rank -> RankEngineLauncher
+        self._reaper: Reaper | None = None
+        self._profile_dir: str | None = None
+        self._state = "new"
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+    @property
+    def running(self) -> bool:
+        return self._state == "running"
+
+    def start(self) -> DistCluster:
+        """Start the controller and engines, then make every engine a rank."""
+        if self._state != "new":
+            raise ClusterError(f"this cluster is {self._state}; make a new DistCluster to start again")
+        self._state = "starting"
+        t0 = time.perf_counter()
+        try:
+            self._start_processes()
+            self._bootstrap_ranks()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        self._state = "running"
+        return self
+
+    def _start_processes(self) -> None:
+        import ipyparallel as ipp
+        from traitlets.config import Config
+
+        n = self.world_size
+        self._profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
+        self._reaper = Reaper()
+        self._reaper.remove_on_exit(self._profile_dir)
+        cfg = Config()
+        cfg.RankEngineSetLauncher.engine_cmd = list(launch.ENGINE_CMD)
+        cfg.RankEngineSetLauncher.environment = self.config.launch_env()
+        cfg.RankEngineSetLauncher.delay = 0.0
+        self._cluster = cluster = ipp.Cluster(
+            n=n,
+            profile_dir=self._profile_dir,
+            controller_ip="127.0.0.1" if self.config.loopback_only else "",
+            engine_launcher_class=launch.RankEngineSetLauncher,
+            delay=0.0,
+            log=log,
+            load_profile=False,
+            engine_timeout=int(self.config.start_timeout_s),
+            config=cfg,
+            parent=None,
+        )
+        cluster.start_controller_sync()
+        self._reaper.watch(cluster.controller.pid)
+        engine_set_id = cluster.start_engines_sync(n)
+        launchers = list(cluster.engines[engine_set_id].launchers.values())
+        for el in launchers:
+            self._reaper.watch(el.pid)
+        self._client = client = cluster.connect_client_sync()
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while len(client.ids) < n:
+            dead = [el for el in launchers if el.exited.is_set()]
+            if dead:
+                el = dead[0]
+                raise ClusterError(
+                    f"an engine {launch.describe_exit(el.exit_code)} while starting. "
+                    f"Its log ({el.output_file}) ends:\n{_tail(el.output_file)}"
+                )
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"only {len(client.ids)} of {n} engines registered within "
+                    f"{self.config.start_timeout_s:.0f} s; engine logs are in {self._profile_dir}/log"
+                )
+            time.sleep(0.02)
+        self._engine_ids = sorted(client.ids)[:n]
+        self._by_pid = {el.pid: el for el in launchers}
+
+    def _bootstrap_ranks(self) -> None:
+        client = self._client
+        port = free_port()
+        ars = []
+        for rp, eid in zip(self.plan.ranks, self._engine_ids):
+            env = dict(rp.env, MASTER_PORT=str(port))
+            ars.append(
+                client[eid].apply_async(
+                    rt_bootstrap.bootstrap, env, rp.device, self.plan.backend, self.config.timeout_s, self.config.rank_overrides()
+                )
+            )
+        infos = []
+        for rank, ar in enumerate(ars):
+            try:
+                infos.append(ar.get(timeout=self.config.start_timeout_s))
+            except Exception as exc:
+                raise ClusterError(f"rank {rank} could not join the process group: {_remote_message(exc)}") from None
+        overridden: dict[str, str] = {}
+        for rank, (info, eid) in enumerate(zip(infos, self._engine_ids)):
+            self.ranks.append(RankInfo(rank, eid, info["host"], info["pid"], info["device"], info["backend"]))
+            self._launchers[rank] = self._by_pid.get(info["pid"])
+            overridden.update(info["overridden"])
+        for key, old in sorted(overridden.items()):
+            new = self.config.rank_overrides()[key]
+            self.notes.append(f"{key} was {old!r} in your environment; ranks use {new!r} (see notebook_dist.config)")
+
+    def shutdown(self) -> None:
+        """Stop every process this cluster started; safe to call more than once."""
+        if self._state == "stopped":
+            return
+        self._state = "stopping"
+        pids = [el.pid for el in self._all_launchers()]
+        if self._cluster is not None and self._cluster.controller is not None:
+            pids.append(self._cluster.controller.pid)
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+        if self._cluster is not None:
+            try:
+                self._cluster.stop_cluster_sync()
+            except Exception as exc:
+                log.debug("stop_cluster failed: %s", exc)
+        # whatever ipyparallel did not stop, we do (by pid, only what we started)
+        from .reaper import end_processes, process_start_time
+
+        end_processes({pid: process_start_time(pid) for pid in pids if pid})
+        if self._reaper is not None:
+            self._reaper.release()
+        if self._profile_dir:
+            shutil.rmtree(self._profile_dir, ignore_errors=True)
+        self._state = "stopped"
+
+    def _all_launchers(self) -> list:
+        if self._cluster is None:
+            return []
+        out = []
+        for es in self._cluster.engines.values():
+            out.extend(getattr(es, "launchers", {}).values())
+        return out
+
+    def __enter__(self) -> DistCluster:
+        return self.start() if self._state == "new" else self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        # a garbage-collected cluster must not leave processes behind
+        if getattr(self, "_state", "stopped") in ("running", "starting"):
+            try:
+                self.shutdown()
+            except Exception:
+                pass
+
+    # ---- ranks ---------------------------------------------------------------------
+
+    def _require_running(self) -> None:
+        if self._state != "running":
+            raise ClusterError(f"the cluster is {self._state}: start one with %dist_init (or DistCluster.start())")
+
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks whose engine process has ended, with how it ended."""
+        dead = {}
+        for rank, el in self._launchers.items():
+            if el is not None and el.exited.is_set():
+                dead[rank] = launch.describe_exit(el.exit_code)
+        return dead
+
+    def _check_alive(self, ranks: list[int]) -> None:
+        dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
+        if dead:
+            what = "; ".join(f"rank {r} {how}" for r, how in dead.items())
+            raise ClusterError(f"{what}. Run %dist_restart for a fresh set of ranks (or %dist_shutdown).")
+
+    def _view(self, ranks: list[int]):
+        view = self._client.direct_view([self._engine_ids[r] for r in ranks])
+        view.block = False
+        return view
+
+    def select(self, spec: Any = None) -> list[int]:
+        return parse_ranks(spec, self.world_size)
+
+    # ---- running cells -------------------------------------------------------------
+
+    def run(
+        self,
+        cell: str | PreparedCell,
+        ranks: Any = None,
+        gather: list[str] | tuple[str, ...] = (),
+        *,
+        filename: str = "<cell>",
+        header: str | None = None,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+    ) -> CellResult:
+        """Run a cell on the selected ranks at once, streaming their output live.
+
+        Returns a :class:`CellResult`; call ``raise_for_errors()`` to raise
+        :class:`RankError` if any rank raised. A syntax error raises before any rank runs.
+        """
+        self._require_running()
+        selected = self.select(ranks)
+        prepared = cell if isinstance(cell, PreparedCell) else prepare_cell(cell, filename, header)
+        self._check_alive(selected)
+        gather = list(gather)
+        t0 = time.perf_counter()
+        view = self._view(selected)
+        ar = view.apply_async(
+            rt_cell.run_cell, prepared.code, prepared.filename, prepared.source, prepared.first_line, gather, prepared.want_value
+        )
+        packed = self._wait(ar, selected, out, err)
+        result = collect(selected, [unpack(frames) for frames in packed], gather)
+        result.elapsed_s = time.perf_counter() - t0
+        return result
+
+    def _wait(self, ar, ranks: list[int], out, err) -> list:
+        """Wait for an AsyncResult while streaming output; on Ctrl-C interrupt the ranks."""
+        client = self._client
+        streamer = OutputStreamer([(r, client.metadata[mid]) for r, mid in zip(ranks, ar.msg_ids)], out, err)
+        try:
+            while not ar.ready():
+                ar.wait(0.05)
+                streamer.poll()
+                dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
+                if dead:
+                    streamer.finish()
+                    what = "; ".join(f"rank {r} {how}" for r, how in dead.items())
+                    raise ClusterError(
+                        f"{what} while the cell ran. Run %dist_restart for a fresh set of ranks."
+                    )
+        except KeyboardInterrupt:
+            self.interrupt(ranks)
+            ar.wait(5)
+            streamer.finish()
+            raise
+        ar.wait_for_output(2)
+        streamer.finish()
+        try:
+            return ar.get()
+        except Exception as exc:
+            raise ClusterError(f"the cell could not run on the ranks: {_remote_message(exc)}") from None
+
+    def interrupt(self, ranks: Any = None) -> None:
+        """Send SIGINT to the selected ranks (like the notebook's stop button)."""
+        for r in self.select(ranks):
+            info = self.ranks[r]
+            try:
+                os.kill(info.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    def apply(self, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs) -> RankValues:
+        """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns."""
+        self._require_running()
+        selected = self.select(ranks)
+        self._check_alive(selected)
+        ar = self._view(selected).apply_async(func, *args, **kwargs)
+        try:
+            results = ar.get(timeout=timeout)
+        except Exception as exc:
+            raise ClusterError(f"could not run {getattr(func, '__name__', func)} on the ranks: {_remote_message(exc)}") from None
+        return RankValues(dict(zip(selected, results)))
+
+    # ---- moving values -------------------------------------------------------------
+
+    def push(self, values: dict[str, Any], ranks: Any = None) -> None:
+        """Bind ``values`` (name -> object) in every selected rank's namespace."""
+        self._require_running()
+        for name, value in values.items():
+            if not name.isidentifier():
+                raise TransferError(f"{name!r} is not a valid Python name")
+        for name, value in values.items():
+            pack_named(name, value, "the notebook")  # precise error before sending anything
+        frames = pack_named(", ".join(values), dict(values), "the notebook")
+        self.apply(rt_cell.push_values, *frames, ranks=ranks)
+
+    def pull(self, names: list[str] | str, ranks: Any = None) -> dict[str, RankValues]:
+        """Fetch variables from the selected ranks: name -> RankValues."""
+        if isinstance(names, str):
+            names = [names]
+        results = self.apply(rt_cell.pull_values, list(names), ranks=ranks)
+        out: dict[str, dict[int, Any]] = {n: {} for n in names}
+        missing: dict[str, list[int]] = {}
+        problems = []
+        for rank, frames in results.items():
+            res = unpack(frames)
+            for name in res["missing"]:
+                missing.setdefault(name, []).append(rank)
+            for name, why in res["unpicklable"].items():
+                problems.append(f"{name!r} on rank {rank}: {why}")
+            for name, value in res["values"].items():
+                out[name][rank] = value
+        for name, where in missing.items():
+            noun = "rank" if len(where) == 1 else "ranks"
+            problems.insert(0, f"{name!r} is not defined on {noun} {', '.join(map(str, where))}")
+        if problems:
+            raise TransferError("; ".join(problems))
+        return {name: RankValues(v, name=name) for name, v in out.items()}
+
+    # ---- status --------------------------------------------------------------------
+
+    def status(self) -> list[dict[str, Any]]:
+        """One dict per rank: rank, engine_id, host, pid, device, backend, state, process_group."""
+        rows = []
+        dead = self.dead_ranks() if self._state == "running" else {}
+        queue = {}
+        if self._state == "running":
+            try:
+                queue = self._client.queue_status()
+            except Exception:
+                queue = {}
+        idle = [
+            r.rank for r in self.ranks if r.rank not in dead and queue.get(r.engine_id, {}).get("queue", 0) == 0
+        ]
+        health: dict[int, Any] = {}
+        if idle:
+            try:
+                health = dict(self.apply(rt_bootstrap.health, ranks=idle, timeout=5))
+            except Exception:
+                health = {}
+        for r in self.ranks:
+            if self._state != "running":
+                state = self._state
+            elif r.rank in dead:
+                state = f"dead ({dead[r.rank]})"
+            elif r.rank in idle:
+                state = "idle"
+            else:
+                state = "busy"
+            h = health.get(r.rank)
+            pg = "unknown (busy)" if h is None else ("ok" if h.get("initialized") else "not initialised")
+            rows.append(dict(rank=r.rank, engine_id=r.engine_id, host=r.host, pid=r.pid, device=r.device, backend=r.backend, state=state, process_group=pg))
+        return rows
+
+    def table(self, rows: list[dict[str, Any]] | None = None, columns: tuple[str, ...] = ("rank", "host", "pid", "device", "backend")) -> str:
+        """The rank table as fixed-width text."""
+        rows = [{c: getattr(r, c) for c in columns} for r in self.ranks] if rows is None else rows
+        widths = {c: max(len(c), *(len(str(row[c])) for row in rows)) for c in columns}
+        head = "  ".join(c.ljust(widths[c]) for c in columns)
+        body = ["  ".join(str(row[c]).ljust(widths[c]) for c in columns) for row in rows]
+        return "\n".join([head, *body])
+
+    def __repr__(self) -> str:
+        return f"<DistCluster {self._state}: {self.world_size} ranks, {self.backend}>"
+
+
+def _remote_message(exc: BaseException) -> str:
+    """The useful line of an ipyparallel RemoteError/CompositeError."""
+    try:
+        from ipyparallel import error as ipp_error
+
+        if isinstance(exc, ipp_error.CompositeError):
+            return "; ".join(f"{e[0]}: {e[1]}" for e in exc.elist)
+        if isinstance(exc, ipp_error.RemoteError):
+            return f"{exc.ename}: {exc.evalue}"
+    except Exception:
+        pass
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _tail(path: str, num_lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-num_lines:])
+    except OSError:
+        return "(no log)"
+

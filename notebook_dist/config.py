@@ -1,0 +1,54 @@
+"""Interactive-safe defaults, in one place, each field documented.
+
+torch's defaults suit batch jobs: a Gloo collective waits 30 minutes, and NCCL's error
+handling tears the process down, which would kill an engine and its state. In a
+notebook a stuck collective should surface in minutes and a rank should survive it.
+A user-set environment variable that we replace is reported when the cluster starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DistConfig:
+    timeout_s: float = 300.0
+    """Collective timeout of the default process group (``--timeout``). torch's default
+    is 30 min for Gloo and 10 min for NCCL; 5 min is long enough for real steps and short
+    enough that a mistake does not cost the session."""
+
+    start_timeout_s: float = 120.0
+    """How long to wait for every engine to start and register before giving up."""
+
+    nccl_async_error_handling: str = "2"
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING``: 2 aborts the communicators and raises in the
+    caller but keeps the process (torch's default 3 tears the process down, i.e. the
+    engine and everything the user built in it)."""
+
+    omp_num_threads: str | None = "1"
+    """``OMP_NUM_THREADS`` for each rank when the user has not set it, as torchrun does:
+    several ranks on one machine otherwise oversubscribe the cores."""
+
+    loopback_only: bool = True
+    """Single-machine clusters talk over loopback only: the controller binds 127.0.0.1,
+    ``MASTER_ADDR`` is 127.0.0.1 and Gloo uses the ``lo`` interface."""
+
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More environment variables for every rank (set before torch initialises CUDA)."""
+
+    def rank_overrides(self) -> dict[str, str]:
+        """Environment every rank gets; user-set values that differ are reported."""
+        env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": self.nccl_async_error_handling}
+        if self.loopback_only and os.path.exists("/sys/class/net/lo"):
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        env.update(self.extra_env)
+        return env
+
+    def launch_env(self) -> dict[str, str]:
+        """Environment the engine processes start with (before any user code)."""
+        env = {"PYTHONUNBUFFERED": "1", "NOTEBOOK_DIST_ENGINE": "1"}
+        if self.omp_num_threads is not None and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = self.omp_num_threads
+        return env

@@ -1,0 +1,89 @@
+"""Exceptions that reach the user, each rendered as a short, actionable message.
+
+IPython calls ``_render_traceback_`` when an exception defines it, so these show
+what happened on the ranks instead of a traceback through notebook_dist itself.
+"""
+
+from __future__ import annotations
+
+
+class NotebookDistError(Exception):
+    """Base class: a problem the user can act on, shown without internal frames."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class RankSpecError(NotebookDistError, ValueError):
+    """A ``--ranks`` specification that does not name ranks of this cluster."""
+
+
+class PreflightError(NotebookDistError, RuntimeError):
+    """A cluster request that cannot work, refused before anything starts."""
+
+
+class ClusterError(NotebookDistError, RuntimeError):
+    """The cluster could not start, is gone, or lost a rank."""
+
+
+class TransferError(NotebookDistError, ValueError):
+    """A value that cannot be moved between the notebook and a rank."""
+
+
+class CellSyntaxError(NotebookDistError):
+    """The cell does not compile; reported once, before any rank runs it.
+
+    Not a SyntaxError subclass: IPython would render it as its own syntax error,
+    pointing into notebook_dist instead of the cell.
+    """
+
+    def __init__(self, msg: str, filename: str, lineno: int | None, offset: int | None, text: str | None):
+        super().__init__(f"{msg} ({filename}, line {lineno})")
+        self.msg, self.filename, self.lineno, self.offset, self.text = msg, filename, lineno, offset, text
+
+    def _render_traceback_(self) -> list[str]:
+        out = [f'  File "{self.filename}", line {self.lineno}']
+        if self.text:
+            line = self.text.rstrip("\n")
+            stripped = line.lstrip()
+            out.append("    " + stripped)
+            if self.offset:
+                caret_at = max(self.offset - 1 - (len(line) - len(stripped)), 0)
+                out.append("    " + " " * caret_at + "^")
+        out.append(f"SyntaxError: {self.msg} (nothing ran on any rank)")
+        return out
+
+
+class RankError(NotebookDistError, RuntimeError):
+    """One or more ranks raised while running a cell.
+
+    ``errors`` maps rank -> ``RemoteTraceback``; the exception renders each rank's
+    traceback once, with frames in the cell numbered as the notebook shows them.
+    """
+
+    def __init__(self, errors: dict[int, RemoteTraceback]):
+        self.errors = dict(sorted(errors.items()))
+        ranks = ", ".join(str(r) for r in self.errors)
+        first = next(iter(self.errors.values()))
+        noun = "rank" if len(self.errors) == 1 else "ranks"
+        super().__init__(f"{noun} {ranks} raised {first.ename}: {first.evalue}")
+
+    def _render_traceback_(self) -> list[str]:
+        lines: list[str] = []
+        for rank, err in self.errors.items():
+            lines.extend(f"[rank {rank}] {line}" for line in err.traceback.rstrip("\n").splitlines())
+            lines.append("")
+        lines.append(f"RankError: {self}")
+        return lines
+
+
+class RemoteTraceback:
+    """An exception as it happened on a rank: name, message and formatted traceback."""
+
+    def __init__(self, ename: str, evalue: str, traceback: str):
+        self.ename = ename
+        self.evalue = evalue
+        self.traceback = traceback
+
+    def __repr__(self) -> str:
+        return f"RemoteTraceback({self.ename}: {self.evalue})"

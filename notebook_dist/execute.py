@@ -1,0 +1,168 @@
+"""Kernel side of running a cell: prepare it, stream the ranks' output, collect results."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from .errors import CellSyntaxError, RemoteTraceback
+from .values import RankValues
+
+
+@dataclass(frozen=True)
+class PreparedCell:
+    code: str  # plain Python, IPython syntax already transformed
+    source: str  # the cell as the notebook shows it, for tracebacks
+    filename: str
+    first_line: int  # notebook line number of code's first line
+    want_value: bool
+
+
+def prepare_cell(cell: str, filename: str = "<cell>", header: str | None = None) -> PreparedCell:
+    """Transform IPython syntax, check it compiles, and decide whether to keep the value.
+
+    ``header`` is the magic line the notebook shows above ``cell`` (``%%distributed``);
+    it is line 1, so the cell's first line is line 2, as in the notebook.
+    """
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    first_line = 2 if header is not None else 1
+    source = (header + "\n" + cell) if header is not None else cell
+    try:
+        code = TransformerManager().transform_cell(cell)
+    except SyntaxError as exc:
+        raise _syntax_error(exc, filename, source, first_line) from None
+    try:
+        compile(code, filename, "exec")
+    except SyntaxError as exc:
+        raise _syntax_error(exc, filename, source, first_line) from None
+    return PreparedCell(code, source, filename, first_line, _wants_value(cell))
+
+
+def _syntax_error(exc: SyntaxError, filename: str, source: str, first_line: int) -> CellSyntaxError:
+    lineno = (exc.lineno or 1) + first_line - 1
+    lines = source.splitlines()
+    text = lines[lineno - 1] if 0 < lineno <= len(lines) else exc.text
+    return CellSyntaxError(exc.msg, filename, lineno, exc.offset, text)
+
+
+def _wants_value(cell: str) -> bool:
+    """A trailing ``;`` hides the value, as in IPython."""
+    for line in reversed(cell.splitlines()):
+        code = line.split("#", 1)[0].rstrip()
+        if code:
+            return not code.endswith(";")
+    return False
+
+
+class OutputStreamer:
+    """Copies each rank's stdout/stderr to the notebook as it arrives, tagged by rank.
+
+    Reads the growing per-message output that ipyparallel accumulates; complete lines
+    are written at once, a partial line waits for its end (or for the cell's end).
+    """
+
+    def __init__(self, sources: list[tuple[int, dict]], out: TextIO | None = None, err: TextIO | None = None):
+        self.sources = sources  # (rank, ipyparallel metadata dict of that rank's message)
+        self.out = out
+        self.err = err
+        self._offsets: dict[tuple[int, str], int] = {}
+        self._partial: dict[tuple[int, str], str] = {}
+        self._outputs_seen: dict[int, int] = {}
+        self.lines_written = 0
+
+    def _stream(self, name: str) -> TextIO:
+        if name == "stderr":
+            return self.err or sys.stderr
+        return self.out or sys.stdout
+
+    def poll(self) -> None:
+        for rank, md in self.sources:
+            for name in ("stdout", "stderr"):
+                text = md.get(name) or ""
+                key = (rank, name)
+                start = self._offsets.get(key, 0)
+                if len(text) <= start:
+                    continue
+                self._offsets[key] = len(text)
+                self._emit(rank, name, self._partial.pop(key, "") + text[start:])
+            self._republish_outputs(rank, md)
+
+    def _emit(self, rank: int, name: str, text: str) -> None:
+        *lines, rest = text.split("\n")
+        if rest:
+            self._partial[(rank, name)] = rest
+        if lines:
+            prefix = f"[rank {rank}] "
+            stream = self._stream(name)
+            stream.write("".join(f"{prefix}{line}\n" for line in lines))
+            stream.flush()
+            self.lines_written += len(lines)
+
+    def _republish_outputs(self, rank: int, md: dict) -> None:
+        outputs = md.get("outputs") or []
+        seen = self._outputs_seen.get(rank, 0)
+        if len(outputs) <= seen:
+            return
+        self._outputs_seen[rank] = len(outputs)
+        try:
+            from IPython.display import publish_display_data
+        except ImportError:
+            return
+        for output in outputs[seen:]:
+            data = dict(output.get("data", {}))
+            if "text/plain" in data:
+                data["text/plain"] = f"[rank {rank}] " + data["text/plain"]
+            publish_display_data(data, output.get("metadata", {}))
+
+    def finish(self) -> None:
+        self.poll()
+        for (rank, name), rest in sorted(self._partial.items()):
+            stream = self._stream(name)
+            stream.write(f"[rank {rank}] {rest}\n")
+            stream.flush()
+            self.lines_written += 1
+        self._partial.clear()
+
+
+@dataclass
+class CellResult:
+    """What a cell produced on the ranks that ran it."""
+
+    ranks: list[int]
+    values: RankValues | None = None
+    gathered: dict[str, RankValues] = field(default_factory=dict)
+    errors: dict[int, RemoteTraceback] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def raise_for_errors(self) -> None:
+        if self.errors:
+            from .errors import RankError
+
+            raise RankError(self.errors)
+
+
+def collect(ranks: list[int], results: list[dict[str, Any]], gather: list[str]) -> CellResult:
+    """Fold per-rank result dicts (from ``runtime.cell.run_cell``) into a CellResult."""
+    out = CellResult(ranks=list(ranks))
+    values: dict[int, Any] = {}
+    any_value = False
+    gathered: dict[str, dict[int, Any]] = {name: {} for name in gather}
+    for rank, res in zip(ranks, results):
+        if res["status"] == "error":
+            e = res["error"]
+            out.errors[rank] = RemoteTraceback(e["ename"], e["evalue"], e["traceback"])
+        if res.get("has_value") and res.get("value") is not None:
+            any_value = True  # as in IPython, a None value shows nothing
+        values[rank] = res.get("value")
+        for name, value in res.get("gather", {}).items():
+            gathered[name][rank] = value
+        if res["status"] == "ok" and res.get("missing"):
+            names = ", ".join(repr(n) for n in res["missing"])
+            msg = f"--gather {names}: not defined on rank {rank} after the cell ran"
+            out.errors[rank] = RemoteTraceback("NameError", msg, f"NameError: {msg}\n")
+    if any_value:
+        out.values = RankValues(values)
+    out.gathered = {name: RankValues(v, name=name) for name, v in gathered.items() if v}
+    return out

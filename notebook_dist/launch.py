@@ -1,0 +1,56 @@
+"""ipyparallel launchers that remember how each engine ended.
+
+ipyparallel reports an engine's exit through its event loop, which does not run while a
+cell blocks the kernel; these record the exit code in the waiting thread itself, so a
+dead rank is reported with its exit code or signal at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+
+# No nanny process per engine: ranks are signalled by pid (one process fewer per rank
+# to start and to clean up).
+ENGINE_CMD = [sys.executable, "-m", "notebook_dist.runtime.engine", "--IPEngine.enable_nanny=False"]
+
+
+class RankEngineLauncher(LocalEngineLauncher):
+    """One local engine; ``exit_code`` is set (negative for a signal) when it ends."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exit_code: int | None = None
+        self.exited = threading.Event()
+
+    def _wait(self):
+        process = self.process
+        real_wait = process.wait
+
+        def wait(timeout=None):
+            code = real_wait(timeout)
+            self.exit_code = code
+            self.exited.set()
+            return code
+
+        process.wait = wait
+        super()._wait()
+
+
+class RankEngineSetLauncher(LocalEngineSetLauncher):
+    launcher_class = RankEngineLauncher
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "ended (exit status unknown)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"

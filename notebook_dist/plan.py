@@ -1,0 +1,200 @@
+"""Which device and backend each rank gets: pure decisions, testable with any GPU count.
+
+The kernel never imports torch to decide this (that costs seconds); it counts GPUs from
+the driver (:func:`visible_gpus`) and the ranks confirm what they see when they start.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import PreflightError
+
+BACKENDS = ("auto", "gloo", "nccl")
+DEFAULT_CPU_RANKS = 2
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank is told before it starts: its identity, device and environment."""
+
+    rank: int
+    local_rank: int
+    device: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """The whole cluster's layout; ``notes`` are said to the user at start."""
+
+    world_size: int
+    backend: str
+    ranks: tuple[RankPlan, ...]
+    cuda_visible_devices: str | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.ranks[0].device.startswith("cuda")
+
+
+def visible_gpus(environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus") -> list[str]:
+    """IDs of the NVIDIA GPUs this process may use, without importing torch.
+
+    Honours ``CUDA_VISIBLE_DEVICES`` the way CUDA does: a list of ids (or UUIDs),
+    stopping at the first invalid entry; empty or ``-1`` hides every GPU.
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        physical = sorted(os.listdir(proc_root))
+    except OSError:
+        physical = []
+    ids = [str(i) for i in range(len(physical))]
+    spec = environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return ids
+    chosen = []
+    for item in spec.split(","):
+        item = item.strip()
+        if item.startswith("GPU-") or item.startswith("MIG-"):
+            chosen.append(item)
+            continue
+        if not item.isdigit() or item not in ids:
+            break
+        chosen.append(item)
+    return chosen
+
+
+def assign_local_ranks(hosts: list[str]) -> list[tuple[int, int, int]]:
+    """``(local_rank, local_world_size, group_rank)`` for each rank, by host, in rank order.
+
+    Hosts keep the order in which their first rank appears (that is torchrun's node rank).
+    """
+    order: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    local = []
+    for host in hosts:
+        order.setdefault(host, len(order))
+        local.append(counts.get(host, 0))
+        counts[host] = counts.get(host, 0) + 1
+    return [(lr, counts[h], order[h]) for lr, h in zip(local, hosts)]
+
+
+def parse_gpu_list(text: str | list[int] | None) -> list[int] | None:
+    if text is None:
+        return None
+    if isinstance(text, (list, tuple)):
+        items = list(text)
+    else:
+        try:
+            items = [int(x) for x in str(text).split(",") if x.strip()]
+        except ValueError:
+            raise PreflightError(f"bad --gpus {text!r}: give GPU indices like '0,1'") from None
+    if not items:
+        raise PreflightError("--gpus is empty: give GPU indices like '0,1'")
+    if len(set(items)) != len(items):
+        raise PreflightError(f"--gpus {text!r} lists a GPU twice; each rank needs its own GPU")
+    return items
+
+
+def plan_cluster(
+    n: int | None = None,
+    backend: str = "auto",
+    gpus: str | list[int] | None = None,
+    *,
+    gpu_ids: list[str] | None = None,
+    hosts: list[str] | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+) -> ClusterPlan:
+    """Decide world size, backend and one device per rank.
+
+    ``gpu_ids`` are the GPUs visible to the notebook (default: :func:`visible_gpus`).
+    Raises :class:`PreflightError` with a sentence to act on when the request cannot work.
+    """
+    backend = (backend or "auto").lower()
+    if backend not in BACKENDS:
+        raise PreflightError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    gpu_ids = visible_gpus() if gpu_ids is None else list(gpu_ids)
+    chosen = parse_gpu_list(gpus)
+    if chosen is not None:
+        if not gpu_ids:
+            raise PreflightError(f"--gpus {gpus!r} asked, but no GPU is visible to this notebook")
+        bad = [g for g in chosen if g < 0 or g >= len(gpu_ids)]
+        if bad:
+            raise PreflightError(
+                f"--gpus names GPU {bad[0]}, but only {len(gpu_ids)} GPU(s) are visible "
+                f"(indices 0-{len(gpu_ids) - 1})"
+            )
+        if n is not None and n != len(chosen):
+            raise PreflightError(
+                f"-n {n} asks for {n} ranks but --gpus lists {len(chosen)} GPUs; "
+                "give one of them, or make them agree"
+            )
+        use = [gpu_ids[g] for g in chosen]
+    else:
+        use = list(gpu_ids)
+    if n is not None and n < 1:
+        raise PreflightError(f"-n {n}: a cluster needs at least one rank")
+    notes: list[str] = []
+    world_size = (len(use) if use else DEFAULT_CPU_RANKS) if n is None else n
+    hosts = hosts or ["localhost"] * world_size
+    if len(hosts) != world_size:
+        raise PreflightError(f"{len(hosts)} hosts given for {world_size} ranks")
+    local = assign_local_ranks(hosts)
+    per_host = max(lws for _, lws, _ in local)  # GPUs are per host
+    if not use:
+        if backend == "nccl":
+            raise PreflightError(
+                "NCCL needs one GPU per rank, and no GPU is visible to this notebook. "
+                "Use --backend gloo (the default without GPUs)."
+            )
+        chosen_backend = "gloo"
+        devices = ["cpu"] * world_size
+        cvd = None
+    else:
+        if per_host > len(use):
+            if backend == "nccl":
+                raise PreflightError(
+                    f"NCCL needs one GPU per rank: {per_host} ranks asked on one host, {len(use)} GPU(s) "
+                    f"available. Use -n {len(use)}, or --backend gloo to let ranks share GPUs."
+                )
+            chosen_backend = "gloo"
+            notes.append(
+                f"{per_host} ranks share {len(use)} GPU(s), so the backend is Gloo "
+                "(NCCL refuses two ranks on one GPU)."
+            )
+        else:
+            chosen_backend = "nccl" if backend in ("auto", "nccl") else "gloo"
+        devices = [f"cuda:{lr % len(use)}" for lr, _, _ in local]
+        cvd = ",".join(use[: min(per_host, len(use))])
+    num_nodes = len(set(hosts))
+    ranks = []
+    for rank, (device, (local_rank, local_world_size, group_rank)) in enumerate(zip(devices, local)):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world_size),
+            "GROUP_RANK": str(group_rank),
+            "GROUP_WORLD_SIZE": str(num_nodes),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world_size),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+        }
+        if cvd is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cvd
+        ranks.append(RankPlan(rank=rank, local_rank=local_rank, device=device, env=env))
+    return ClusterPlan(
+        world_size=world_size,
+        backend=chosen_backend,
+        ranks=tuple(ranks),
+        cuda_visible_devices=cvd,
+        notes=tuple(notes),
+    )

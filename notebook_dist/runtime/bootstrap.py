@@ -1,0 +1,142 @@
+"""Make an engine a torch.distributed rank: environment, device, process group.
+
+Runs once per engine through ``apply``; everything it needs arrives as arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+from .state import STATE
+
+_original_init = None
+
+
+def user_namespace() -> dict:
+    """The namespace cells run in: the engine shell's, or ``__main__``'s outside one."""
+    try:
+        from IPython import get_ipython  # core only, no display code
+
+        ip = get_ipython()
+    except ImportError:
+        ip = None
+    if ip is not None:
+        return ip.user_ns
+    import __main__
+
+    return __main__.__dict__
+
+
+def _guarded_init_process_group(*args: Any, **kwargs: Any):
+    """``init_process_group`` that leaves the cluster's own group in place.
+
+    Code copied from a torchrun script calls ``init_process_group()``; here the group
+    already exists, so the call is skipped with a note instead of raising.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        print(
+            f"notebook_dist: the default process group is already initialised "
+            f"(backend {dist.get_backend()}, rank {dist.get_rank()} of {dist.get_world_size()}); "
+            "this init_process_group() call is skipped. Call dist.destroy_process_group() "
+            "first if you really want a new one.",
+            file=sys.stderr,
+        )
+        return None
+    return _original_init(*args, **kwargs)
+
+
+def _install_init_guard(dist_module) -> None:
+    global _original_init
+    c10d = dist_module.distributed_c10d
+    if _original_init is None:
+        _original_init = c10d.init_process_group
+    dist_module.init_process_group = _guarded_init_process_group
+    c10d.init_process_group = _guarded_init_process_group
+
+
+def bootstrap(env: dict[str, str], device: str, backend: str, timeout_s: float, overrides: dict[str, str]) -> dict:
+    """Set torchrun's environment, pin the device, and initialise the default group.
+
+    ``overrides`` are interactive-safe settings; a user-set value that differs is
+    replaced and reported back, so the notebook can say so.
+    """
+    t0 = time.perf_counter()
+    overridden = {}
+    for key, value in overrides.items():
+        old = os.environ.get(key)
+        if old is not None and old != value:
+            overridden[key] = old
+        os.environ[key] = value
+    os.environ.update(env)  # before CUDA initialises: CUDA_VISIBLE_DEVICES must be in place
+
+    import torch
+    import torch.distributed as dist
+
+    t_import = time.perf_counter() - t0
+    rank = int(env["RANK"])
+    world_size = int(env["WORLD_SIZE"])
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(device.split(":")[1]))
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise RuntimeError("this torch build has no NCCL: use --backend gloo")
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed support")
+    _install_init_guard(dist)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    kwargs: dict[str, Any] = dict(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device(device)
+    _original_init(**kwargs)
+
+    STATE.rank = rank
+    STATE.world_size = world_size
+    STATE.local_rank = int(env["LOCAL_RANK"])
+    STATE.device = device
+    STATE.backend = backend
+    STATE.timeout_s = timeout_s
+    STATE.bootstrapped = True
+
+    import notebook_dist
+
+    ns = user_namespace()
+    ns.setdefault("torch", torch)
+    ns.setdefault("dist", dist)
+    ns.setdefault("nd", notebook_dist)
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": device,
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "cuda_devices": torch.cuda.device_count() if device.startswith("cuda") else 0,
+        "import_s": t_import,
+        "init_s": time.perf_counter() - t0,
+        "overridden": overridden,
+    }
+
+
+def health() -> dict:
+    """What ``%dist_status`` shows of a rank's process group."""
+    import torch.distributed as dist
+
+    info = {"pid": os.getpid(), "initialized": dist.is_available() and dist.is_initialized()}
+    if info["initialized"]:
+        info["backend"] = dist.get_backend()
+        info["rank"] = dist.get_rank()
+        info["world_size"] = dist.get_world_size()
+    return info

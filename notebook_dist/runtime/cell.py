@@ -1,0 +1,130 @@
+"""Run one cell on a rank: compile with notebook line numbers, keep the last value.
+
+Returns a packed result (see ``notebook_dist.values.pack``) so tensors travel out of
+band. Exceptions never escape: they come back as a traceback trimmed to the user's
+frames, and the exception object stays on the rank for post-mortem inspection.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import traceback
+from typing import Any
+
+from ..values import describe_unpicklable, pack
+from .bootstrap import user_namespace
+from .state import STATE
+
+
+def _register_source(filename: str, source: str) -> None:
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+
+
+def format_exception(exc: BaseException, filename: str) -> str:
+    """The traceback from the first frame in the cell down, as Python prints it."""
+    te = traceback.TracebackException.from_exception(exc)
+    frames = list(te.stack)
+    for i, fs in enumerate(frames):
+        if fs.filename == filename:
+            te.stack = traceback.StackSummary.from_list(frames[i:])
+            break
+    return "".join(te.format())
+
+
+def _error(exc: BaseException, filename: str) -> dict:
+    return {
+        "ename": type(exc).__name__,
+        "evalue": str(exc),
+        "traceback": format_exception(exc, filename),
+    }
+
+
+def run_cell(code: str, filename: str, source: str, first_line: int, gather: list[str], want_value: bool) -> list:
+    """Execute ``code`` in the rank's namespace; return ``pack(result)``.
+
+    ``source`` is the cell as the notebook shows it (for tracebacks) and ``first_line``
+    the notebook line number of ``code``'s first line.
+    """
+    ns = user_namespace()
+    _register_source(filename, source)
+    result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
+    try:
+        tree = ast.parse(code, filename=filename)
+        ast.increment_lineno(tree, first_line - 1)
+        last = None
+        if want_value and tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, filename, "exec"), ns)
+        if last is not None:
+            result["value"] = eval(compile(last, filename, "eval"), ns)
+            result["has_value"] = True
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the engine lives on
+        STATE.last_error = (exc, exc.__traceback__)
+        result["status"] = "error"
+        result["error"] = _error(exc, filename)
+        result.pop("value", None)
+        result["has_value"] = False
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    gathered, missing = {}, []
+    for name in gather:
+        if name in ns:
+            gathered[name] = ns[name]
+        else:
+            missing.append(name)
+    result["gather"] = gathered
+    result["missing"] = missing
+    try:
+        return pack(result)
+    except Exception:
+        pass
+    # find exactly what cannot travel, and say so
+    problems = []
+    if result.get("has_value"):
+        try:
+            pack(result["value"])
+        except Exception as exc:
+            problems.append(f"the cell's value: {describe_unpicklable(result['value'], exc)}")
+            result["value"] = None
+            result["has_value"] = False
+    for name in list(gathered):
+        try:
+            pack(gathered[name])
+        except Exception as exc:
+            problems.append(f"variable {name!r}: {describe_unpicklable(gathered[name], exc)}")
+            del gathered[name]
+    if result["status"] == "ok":
+        result["status"] = "error"
+        msg = "cannot send to the notebook: " + "; ".join(problems)
+        result["error"] = {"ename": "TransferError", "evalue": msg, "traceback": f"TransferError: {msg}\n"}
+    return pack(result)
+
+
+def push_values(*frames: Any) -> list[str]:
+    """Bind the names in a packed ``{name: value}`` into the rank's namespace."""
+    from ..values import unpack
+
+    values = unpack(list(frames))
+    user_namespace().update(values)
+    return sorted(values)
+
+
+def pull_values(names: list[str]) -> list:
+    """Pack ``{name: value}`` for the names asked; missing or unpicklable ones are reported."""
+    ns = user_namespace()
+    found, missing, bad = {}, [], {}
+    for name in names:
+        if name not in ns:
+            missing.append(name)
+            continue
+        try:
+            pack(ns[name])
+        except Exception as exc:
+            bad[name] = describe_unpicklable(ns[name], exc)
+            continue
+        found[name] = ns[name]
+    return pack({"rank": STATE.rank, "values": found, "missing": missing, "unpicklable": bad})

@@ -1,0 +1,46 @@
+"""Per-process state of a rank, set by the bootstrap and read by the helpers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RankState:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+    backend: str | None = None
+    timeout_s: float | None = None
+    bootstrapped: bool = False
+    #: the last exception a cell raised on this rank: (exc, traceback), for post-mortems
+    last_error: tuple[BaseException, Any] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+STATE = RankState()
+
+
+def current() -> RankState:
+    """The rank's state; outside a notebook_dist engine it reads torchrun's environment."""
+    if STATE.bootstrapped:
+        return STATE
+    env = os.environ
+    return RankState(
+        rank=int(env.get("RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        device=_default_device(int(env.get("LOCAL_RANK", 0))),
+    )
+
+
+def _default_device(local_rank: int) -> str:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return f"cuda:{local_rank % torch.cuda.device_count()}"
+    return "cpu"

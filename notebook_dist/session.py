@@ -1,0 +1,37 @@
+"""The notebook's current cluster: at most one, stopped when the kernel exits."""
+
+from __future__ import annotations
+
+import atexit
+
+from .cluster import DistCluster
+
+_current: DistCluster | None = None
+
+
+def current() -> DistCluster | None:
+    """The running cluster, or None (a cluster that stopped is forgotten)."""
+    global _current
+    if _current is not None and not _current.running:
+        _current = None
+    return _current
+
+
+def set_current(cluster: DistCluster | None) -> None:
+    global _current
+    _current = cluster
+
+
+def shutdown() -> bool:
+    """Stop the current cluster; True if there was one."""
+    global _current
+    cluster, _current = _current, None
+    if cluster is None:
+        return False
+    cluster.shutdown()
+    return True
+
+
+# kernel shutdown and restart end the Python process: stop the cluster cleanly then.
+# (A SIGKILLed kernel cannot run this; the reaper process covers that case.)
+atexit.register(shutdown)

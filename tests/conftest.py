@@ -1,0 +1,101 @@
+"""Shared fixtures: an isolated IPython shell and one real 2-rank Gloo cluster.
+
+Isolation: a temporary IPYTHONDIR, OMP_NUM_THREADS=1, OS-assigned ports (the cluster
+asks the OS), and finalizers that stop every process a fixture started, by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+# before IPython or ipyparallel are imported anywhere
+os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="nd-ipython-")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["JUPYTER_PLATFORM_DIRS"] = "1"
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pids_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture(scope="session")
+def ip():
+    """An in-process IPython shell with notebook_dist loaded."""
+    from IPython.terminal.interactiveshell import TerminalInteractiveShell
+
+    shell = TerminalInteractiveShell.instance()
+    shell.colors = "nocolor"
+    shell.run_line_magic("load_ext", "notebook_dist")
+    yield shell
+    from notebook_dist import session
+
+    session.shutdown()
+
+
+class CellRun:
+    def __init__(self, stdout: str, stderr: str, result):
+        self.stdout = stdout
+        self.stderr = stderr
+        self.result = result
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def error(self):
+        return self.result.error_before_exec or self.result.error_in_exec
+
+
+@pytest.fixture(scope="session")
+def run(ip):
+    """run(text) executes a cell in the shell and returns what it printed and its result."""
+    from IPython.utils.capture import capture_output
+
+    def _run(text: str) -> CellRun:
+        with capture_output() as cap:
+            result = ip.run_cell(text, store_history=True)
+        return CellRun(cap.stdout, cap.stderr, result)
+
+    return _run
+
+
+@pytest.fixture(scope="session")
+def cluster2(ip, run):
+    """The shell's cluster: 2 CPU ranks on Gloo, shared by the tests that only run cells."""
+    from notebook_dist import session
+
+    out = run("%dist_init -n 2 --backend gloo")
+    assert out.error is None, out.output
+    cluster = session.current()
+    pids = [r.pid for r in cluster.ranks]
+    yield cluster
+    session.shutdown()
+    assert pids_alive(pids) == [], "engines left running after shutdown"
+
+
+@pytest.fixture
+def live(cluster2):
+    """The shared cluster, restarted if an earlier test left it unusable."""
+    from notebook_dist import session
+
+    if session.current() is not cluster2:
+        pytest.fail("the shared cluster was replaced or stopped by an earlier test")
+    return cluster2
+
+
+def python_exe() -> str:
+    return sys.executable

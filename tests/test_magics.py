@@ -1,0 +1,237 @@
+"""%%distributed and friends on a real 2-rank Gloo cluster, driven through IPython."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_all_reduce_returns_rank_values(live, run, ip):
+    out = run("%%distributed\nt = torch.arange(3.0) * (dist.get_rank() + 1)\ndist.all_reduce(t)\nt")
+    assert out.error is None, out.output
+    rv = out.result.result
+    assert type(rv).__name__ == "RankValues" and rv.ranks == [0, 1]
+    for rank in (0, 1):
+        assert torch.equal(rv[rank], torch.tensor([0.0, 3.0, 6.0]))
+    assert ip.user_ns["_"] is rv  # `_` holds it as for any cell
+
+
+def test_torchrun_environment_and_helpers(live, run):
+    out = run(
+        "%%distributed\nimport os\n"
+        "(dist.is_initialized(), nd.rank, nd.world_size, nd.local_rank, nd.device, nd.is_main(),\n"
+        " {k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')},\n"
+        " int(os.environ['MASTER_PORT']) > 0)"
+    )
+    assert out.error is None, out.output
+    for rank, value in out.result.result.items():
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        assert value == (True, rank, 2, rank, "cpu", rank == 0, env, True)
+
+
+def test_second_init_process_group_is_harmless(live, run):
+    out = run('%%distributed\nimport torch.distributed as dist\ndist.init_process_group("gloo")\ndist.get_world_size()')
+    assert out.error is None, out.output
+    assert dict(out.result.result) == {0: 2, 1: 2}
+    assert (
+        "[rank 1] notebook_dist: the default process group is already initialised (backend gloo, rank 1 of 2); "
+        "this init_process_group() call is skipped." in out.stderr
+    )
+
+
+def test_output_streams_tagged_by_rank_with_nothing_dropped(live, run):
+    cell = (
+        "%%distributed\nimport sys, threading\n"
+        "print('first')\nprint()\nprint('to stderr', file=sys.stderr)\n"
+        "sys.stdout.write('partial')\n"
+        "th = threading.Thread(target=lambda: print('from a thread', nd.rank)); th.start(); th.join()\n"
+    )
+    out = run(cell)
+    assert out.error is None, out.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] first\n[rank {rank}] \n" in out.stdout
+        assert f"[rank {rank}] to stderr\n" in out.stderr
+        # the partial line is completed by the thread's print, as in a terminal
+        assert f"[rank {rank}] partialfrom a thread {rank}\n" in out.stdout
+    assert out.result.result is None  # no last expression, no value
+
+
+def test_exception_on_one_rank_points_at_cell_lines(live, run):
+    out = run("%%distributed\nx = 1\nif dist.get_rank() == 1:\n    raise ValueError('rank one is unhappy')\nprint('done', nd.rank)")
+    err = out.error
+    assert type(err).__name__ == "RankError"
+    assert str(err) == "rank 1 raised ValueError: rank one is unhappy"
+    assert list(err.errors) == [1]
+    assert err.errors[1].traceback.splitlines()[-3:] == [
+        f'  File "Cell In[{out.result.execution_count}]", line 4, in <module>',
+        "    raise ValueError('rank one is unhappy')",
+        "ValueError: rank one is unhappy",
+    ]
+    assert "exec" not in err.errors[1].traceback and "run_cell" not in err.errors[1].traceback
+    assert "[rank 0] done 0" in out.stdout  # other ranks' output is still shown
+    rendered = "\n".join(err._render_traceback_())
+    assert rendered.count("ValueError: rank one is unhappy") == 2  # the traceback's last line, and the summary
+    assert "[rank 1] ValueError: rank one is unhappy" in rendered
+
+
+def test_exception_in_a_function_keeps_the_call_chain(live, run):
+    out = run("%%distributed\ndef f(v):\n    return 1 / v\n\nf(nd.rank - 1) if nd.rank == 1 else 0")
+    tb = out.error.errors[1].traceback
+    assert "line 5, in <module>" in tb and "line 3, in f" in tb and tb.endswith("ZeroDivisionError: division by zero\n")
+
+
+def test_syntax_error_is_reported_once_before_anything_runs(live, run):
+    out = run("%%distributed\nprint('ran')\nx = (1,\n")
+    err = out.error
+    assert type(err).__name__ == "CellSyntaxError"
+    assert err.lineno == 3 and err.msg == "'(' was never closed"
+    assert err._render_traceback_() == [
+        f'  File "Cell In[{out.result.execution_count}]", line 3',
+        "    x = (1,",
+        "        ^",
+        "SyntaxError: '(' was never closed (nothing ran on any rank)",
+    ]
+    assert "[rank" not in out.output  # no rank ran the first line
+
+
+def test_unpicklable_value(live, run):
+    out = run("%%distributed\nimport threading\nthreading.Lock()")
+    err = out.error
+    assert type(err).__name__ == "RankError" and sorted(err.errors) == [0, 1]
+    assert err.errors[0].evalue == (
+        "cannot send to the notebook: the cell's value: a _thread.lock cannot be pickled "
+        "(TypeError: cannot pickle '_thread.lock' object)"
+    )
+
+
+def test_bad_ranks_spec(live, run):
+    out = run("%%distributed --ranks 0-x\n1")
+    assert type(out.error).__name__ == "UsageError"
+    assert str(out.error) == "bad rank specification '0-x': use 'all', a rank like '0', a list like '0,2' or a range like '1-3'"
+
+
+def test_rank_magic_out_of_range(live, run):
+    out = run("%%rank 5\nprint('never')")
+    assert type(out.error).__name__ == "UsageError"
+    assert str(out.error) == "rank 5 not in this cluster: it has 2 ranks (ranks 0-1)"
+
+
+def test_rank_magic_runs_on_the_named_rank_only(live, run):
+    out = run("%%rank 1\nprint('here')\nnd.rank")
+    assert out.error is None, out.output
+    assert dict(out.result.result) == {1: 1}
+    assert "[rank 1] here" in out.stdout and "[rank 0]" not in out.stdout
+
+
+def test_gather_binds_rank_values(live, run, ip):
+    out = run("%%distributed --gather a b\na = nd.rank + 10\nb = torch.full((2,), float(nd.rank))")
+    assert out.error is None, out.output
+    assert dict(ip.user_ns["a"]) == {0: 10, 1: 11}
+    assert torch.equal(ip.user_ns["b"][1], torch.ones(2))
+    out = run("%%distributed --gather nope\nz = 1")
+    assert type(out.error).__name__ == "RankError"
+    assert out.error.errors[0].evalue == "--gather 'nope': not defined on rank 0 after the cell ran"
+
+
+def test_push_and_pull_functions_classes_and_tensors(live, run, ip):
+    run("import torch\ndef scale(v):\n    return v * 3\nclass Box:\n    def __init__(self, v):\n        self.v = v\nw = torch.ones(4)")
+    out = run("%dist_push scale Box w")
+    assert out.error is None, out.output
+    out = run("%%distributed\nbox = Box(scale(w) + nd.rank)\nres = box.v.sum().item()")
+    assert out.error is None, out.output
+    out = run("%dist_pull res box")
+    assert out.error is None, out.output
+    assert dict(ip.user_ns["res"]) == {0: 12.0, 1: 16.0}
+    assert torch.equal(ip.user_ns["box"][1].v, torch.full((4,), 4.0))
+
+
+def test_pull_of_a_missing_name(live, run):
+    out = run("%dist_pull not_there_anywhere")
+    assert type(out.error).__name__ == "TransferError"
+    assert str(out.error) == "'not_there_anywhere' is not defined on ranks 0, 1"
+    out = run("%%rank 1\nonly_one = 1")
+    out = run("%dist_pull only_one")
+    assert str(out.error) == "'only_one' is not defined on rank 0"
+
+
+def test_push_of_an_unpicklable_value(live, run):
+    run("import threading\nlk = threading.Lock()")
+    out = run("%dist_push lk")
+    assert type(out.error).__name__ == "TransferError"
+    assert str(out.error) == "'lk' on the notebook: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"
+    out = run("%dist_push undefined_in_notebook")
+    assert type(out.error).__name__ == "UsageError"
+    assert str(out.error) == "not defined in the notebook: undefined_in_notebook"
+
+
+def test_pull_of_an_unpicklable_value(live, run):
+    run("%%distributed\nimport threading\nlock = threading.Lock()")
+    out = run("%dist_pull lock --ranks 1")
+    assert str(out.error) == "'lock' on rank 1: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"
+
+
+def test_autodist_and_local(live, run, ip):
+    assert run("%autodist on").error is None
+    try:
+        out = run("v = nd.rank * 7\nv")
+        assert out.error is None, out.output
+        assert dict(out.result.result) == {0: 0, 1: 7}
+        out = run("%%local\nkernel_side = 41 + 1\nkernel_side")
+        assert out.error is None and out.result.result == 42
+        assert ip.user_ns["kernel_side"] == 42
+        out = run("x = 1\nraise KeyError('k')")  # line numbers: no magic line is shown, so line 2
+        assert 'line 2, in <module>' in out.error.errors[0].traceback
+    finally:
+        assert run("%autodist off").error is None
+    out = run("plain = 5\nplain")
+    assert out.result.result == 5
+
+
+def test_status_and_reuse(live, run):
+    out = run("%dist_status")
+    assert out.error is None, out.output
+    lines = out.stdout.splitlines()
+    assert lines[0] == "2 ranks, backend gloo"
+    assert lines[1].split() == ["rank", "host", "pid", "device", "backend", "state", "process_group"]
+    for rank, line in enumerate(lines[2:4]):
+        cols = line.split()
+        assert cols[0] == str(rank) and cols[2] == str(live.ranks[rank].pid) and cols[3:] == ["cpu", "gloo", "idle", "ok"]
+    out = run("%dist_init -n 2 --backend gloo")
+    assert out.stdout.strip() == "notebook_dist: reusing the running cluster (2 ranks, gloo)."
+
+
+def test_preflight_errors_before_anything_starts(live, run):
+    out = run("%dist_init --backend nccl")
+    assert type(out.error).__name__ == "UsageError"
+    assert str(out.error).startswith("NCCL needs one GPU per rank, and no GPU is visible to this notebook.")
+    out = run("%dist_init --gpus 0")
+    assert str(out.error) == "--gpus '0' asked, but no GPU is visible to this notebook"
+    out = run("%dist_init -n two")
+    assert type(out.error).__name__ == "UsageError"
+
+
+def test_interrupt_of_a_python_busy_cell_keeps_state(live, run):
+    import signal
+    import threading
+
+    run("%%distributed\nkept = nd.rank + 100")
+    timer = threading.Timer(3.0, lambda: signal.raise_signal(signal.SIGINT))
+    timer.start()
+    out = run("%%distributed\nimport time\nfor _ in range(600):\n    time.sleep(0.1)")
+    timer.cancel()
+    assert isinstance(out.error, KeyboardInterrupt)
+    out = run("%%distributed\nkept")
+    assert dict(out.result.result) == {0: 100, 1: 101}
+
+
+def test_magic_help_is_available(ip):
+    doc = ip.find_cell_magic("distributed").__doc__
+    assert "--gather" in doc and "In [3]: %%distributed" in doc
+    for name in ("dist_init", "dist_status", "dist_push", "dist_pull", "dist_shutdown", "autodist"):
+        assert ip.find_line_magic(name).__doc__.strip(), name
+
+
+@pytest.mark.parametrize("line", ["%dist_status extra", "%dist_shutdown now", "%autodist maybe"])
+def test_magics_refuse_stray_arguments(live, run, line):
+    out = run(line)
+    assert type(out.error).__name__ == "UsageError"

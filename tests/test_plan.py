@@ -1,0 +1,101 @@
+"""The GPU decisions, with the GPU count as input (no GPU needed)."""
+
+import pytest
+
+from notebook_dist.errors import PreflightError
+from notebook_dist.plan import assign_local_ranks, plan_cluster, visible_gpus
+
+
+def test_no_gpu_defaults_to_two_gloo_ranks_on_cpu():
+    plan = plan_cluster(gpu_ids=[])
+    assert plan.world_size == 2 and plan.backend == "gloo"
+    assert [r.device for r in plan.ranks] == ["cpu", "cpu"]
+    assert "CUDA_VISIBLE_DEVICES" not in plan.ranks[0].env
+
+
+def test_torchrun_environment():
+    plan = plan_cluster(3, gpu_ids=[], master_port=29411)
+    env = plan.ranks[2].env
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "2",
+        "WORLD_SIZE": "3",
+        "LOCAL_RANK": "2",
+        "LOCAL_WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29411",
+    }
+
+
+def test_one_rank_per_gpu_uses_nccl():
+    plan = plan_cluster(gpu_ids=["0", "1", "2", "3"])
+    assert plan.world_size == 4 and plan.backend == "nccl"
+    assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert plan.cuda_visible_devices == "0,1,2,3"
+
+
+def test_fewer_ranks_than_gpus():
+    plan = plan_cluster(2, gpu_ids=["0", "1", "2", "3"])
+    assert plan.backend == "nccl" and plan.cuda_visible_devices == "0,1"
+
+
+def test_gpu_list_selects_physical_gpus_and_keeps_local_rank_device():
+    plan = plan_cluster(gpus="2,3", gpu_ids=["0", "1", "2", "3"])
+    assert plan.world_size == 2 and plan.backend == "nccl"
+    # CUDA_VISIBLE_DEVICES narrows to the chosen GPUs, so cuda:LOCAL_RANK is right as under torchrun
+    assert plan.cuda_visible_devices == "2,3"
+    assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1"]
+
+
+def test_gpu_list_respects_the_notebooks_own_cuda_visible_devices():
+    gpu_ids = visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, proc_root="/nonexistent")
+    assert gpu_ids == []  # no driver: nothing is visible, whatever the variable says
+
+
+def test_more_ranks_than_gpus_falls_back_to_gloo_with_a_note():
+    plan = plan_cluster(4, gpu_ids=["0", "1"])
+    assert plan.backend == "gloo"
+    assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert "4 ranks share 2 GPU(s), so the backend is Gloo" in plan.notes[0]
+
+
+def test_gloo_on_gpus_when_asked():
+    plan = plan_cluster(backend="gloo", gpu_ids=["0", "1"])
+    assert plan.backend == "gloo" and plan.ranks[1].device == "cuda:1"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(backend="nccl", gpu_ids=[]), "NCCL needs one GPU per rank, and no GPU is visible to this notebook. Use --backend gloo"),
+        (dict(n=4, backend="nccl", gpu_ids=["0", "1"]), "NCCL needs one GPU per rank: 4 ranks asked on one host, 2 GPU(s) available. Use -n 2, or --backend gloo"),
+        (dict(backend="mpi", gpu_ids=[]), "unknown backend 'mpi': use one of auto, gloo, nccl"),
+        (dict(gpus="0,5", gpu_ids=["0", "1"]), "--gpus names GPU 5, but only 2 GPU(s) are visible (indices 0-1)"),
+        (dict(gpus="0,0", gpu_ids=["0", "1"]), "lists a GPU twice"),
+        (dict(gpus="a,b", gpu_ids=["0", "1"]), "bad --gpus 'a,b': give GPU indices like '0,1'"),
+        (dict(gpus="0", gpu_ids=[]), "--gpus '0' asked, but no GPU is visible"),
+        (dict(n=3, gpus="0,1", gpu_ids=["0", "1"]), "-n 3 asks for 3 ranks but --gpus lists 2 GPUs"),
+        (dict(n=0, gpu_ids=[]), "-n 0: a cluster needs at least one rank"),
+    ],
+)
+def test_preflight_errors(kwargs, message):
+    with pytest.raises(PreflightError) as info:
+        plan_cluster(**kwargs)
+    assert message in str(info.value)
+
+
+def test_visible_gpus_reads_the_driver_and_cuda_visible_devices(tmp_path):
+    for i in range(4):
+        (tmp_path / f"0000:0{i}:00.0").mkdir()
+    assert visible_gpus({}, proc_root=str(tmp_path)) == ["0", "1", "2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, proc_root=str(tmp_path)) == ["2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,9,2"}, proc_root=str(tmp_path)) == ["1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, proc_root=str(tmp_path)) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, proc_root=str(tmp_path)) == []
+
+
+def test_local_ranks_group_by_host_in_first_seen_order():
+    assert assign_local_ranks(["a", "a", "b", "b", "a"]) == [(0, 3, 0), (1, 3, 0), (0, 2, 1), (1, 2, 1), (2, 3, 0)]
+    plan = plan_cluster(4, gpu_ids=["0", "1"], hosts=["a", "a", "b", "b"])
+    assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert plan.backend == "nccl"
+    assert [r.env["GROUP_RANK"] for r in plan.ranks] == ["0", "0", "1", "1"]

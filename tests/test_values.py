@@ -1,0 +1,122 @@
+"""Round trips of the value transfer path, and RankValues behaviour."""
+
+import numpy as np
+import pytest
+import torch
+
+from notebook_dist.errors import TransferError
+from notebook_dist.values import RankValues, pack, pack_named, unpack
+
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+]
+
+
+def _make(dtype, shape=(3, 5)):
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    return torch.randint(0, 100, shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tensor_round_trip_every_dtype(dtype):
+    t = _make(dtype)
+    back = unpack(pack(t))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_tensors_travel_out_of_band():
+    t = torch.randn(1024, 256)
+    frames = pack(t)
+    assert len(frames) == 2 and len(frames[0]) < 1000
+    assert memoryview(frames[1]).nbytes == t.numel() * 4
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.arange(12.0).reshape(3, 4).t(),  # non-contiguous
+        torch.arange(20.0)[::3],
+        torch.zeros(0, 7),
+        torch.zeros(0, dtype=torch.bfloat16),
+        torch.tensor(2.5),
+        torch.tensor(7, dtype=torch.bfloat16),
+    ],
+    ids=["transposed", "strided", "empty", "empty-bf16", "scalar", "scalar-bf16"],
+)
+def test_odd_layouts(t):
+    back = unpack(pack(t))
+    assert back.shape == t.shape and back.dtype == t.dtype and torch.equal(back, t)
+    assert back.is_contiguous()
+
+
+def test_received_tensor_is_writable_and_independent():
+    t = torch.arange(6.0)
+    frames = pack(t)
+    frames = [bytes(f) for f in frames]  # as received: read-only bytes
+    back = unpack(frames)
+    back += 1
+    assert torch.equal(back, torch.arange(6.0) + 1)
+
+
+def test_nested_containers_and_grad_and_parameters():
+    p = torch.nn.Parameter(torch.randn(3))
+    obj = {"a": [torch.ones(2), (torch.zeros(1, dtype=torch.bfloat16), np.arange(4))], "p": p, "g": torch.randn(2, requires_grad=True)}
+    back = unpack(pack(obj))
+    assert torch.equal(back["a"][0], torch.ones(2))
+    assert back["a"][1][0].dtype == torch.bfloat16
+    assert np.array_equal(back["a"][1][1], np.arange(4))
+    assert isinstance(back["p"], torch.nn.Parameter) and back["p"].requires_grad
+    assert back["g"].requires_grad and torch.equal(back["g"].detach(), obj["g"].detach())
+
+
+def test_module_round_trip():
+    m = torch.nn.Linear(4, 2)
+    back = unpack(pack(m))
+    assert torch.equal(back.weight, m.weight) and torch.equal(back.bias, m.bias)
+
+
+def test_local_functions_and_classes_travel():
+    class Point:
+        def __init__(self, x):
+            self.x = x
+
+    def double(v):
+        return v * 2
+
+    back_cls, back_fn = unpack(pack((Point, double)))
+    assert back_cls(3).x == 3 and back_fn(4) == 8
+
+
+def test_unpicklable_names_the_variable():
+    import threading
+
+    with pytest.raises(TransferError) as info:
+        pack_named("lock", threading.Lock(), "the notebook")
+    assert str(info.value).startswith("'lock' on the notebook: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)")
+
+
+def test_rank_values_mapping():
+    rv = RankValues({1: "b", 0: "a"}, name="x")
+    assert list(rv) == [0, 1] and rv[1] == "b" and len(rv) == 2 and rv.ranks == [0, 1]
+    assert dict(rv) == {0: "a", 1: "b"}
+    with pytest.raises(KeyError, match="no value from rank 3 \\(ranks here: 0, 1\\)"):
+        rv[3]
+    with pytest.raises(TypeError):
+        rv[0] = "c"  # read-only
+    assert repr(rv) == "RankValues({0: 'a', 1: 'b'})"
+    assert "<td style='text-align:right'><b>1</b></td>" in rv._repr_html_()
+    assert RankValues({0: torch.ones(2)}) == RankValues({0: torch.ones(2)})
+    assert RankValues({0: torch.ones(2)}) != RankValues({0: torch.zeros(2)})
+
+
+def test_rank_values_pretty_one_row_per_rank():
+    from IPython.lib.pretty import pretty
+
+    text = pretty(RankValues({0: torch.zeros(2), 1: torch.ones(2)}))
+    assert text.splitlines() == ["RankValues (2 ranks)", "[rank 0] tensor([0., 0.])", "[rank 1] tensor([1., 1.])"]

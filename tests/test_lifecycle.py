@@ -1,0 +1,101 @@
+"""Processes: nothing this project starts outlives the notebook, however it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import pids_alive
+
+pytestmark = pytest.mark.slow
+
+PIDS_CODE = (
+    "from notebook_dist import session\n"
+    "c = session.current()\n"
+    "print('PIDS', *[r.pid for r in c.ranks], c._cluster.controller.pid, c._reaper.proc.pid)\n"
+)
+
+
+def _wait_gone(pids, within_s):
+    deadline = time.monotonic() + within_s
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pids_alive(pids)
+
+
+def _kernel_with_cluster(tmp_path):
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"))
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path))
+    reply = kc.execute_interactive("%load_ext notebook_dist\n%dist_init -n 2", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    lines = []
+    kc.execute_interactive(PIDS_CODE, timeout=30, output_hook=lambda m: lines.append(m["content"].get("text", "")))
+    pids = [int(p) for p in "".join(lines).split("PIDS", 1)[1].split()]
+    assert len(pids) == 4 and pids_alive(pids) == pids
+    return km, kc, pids
+
+
+def test_kernel_sigkill_leaves_no_process_behind(tmp_path):
+    km, kc, pids = _kernel_with_cluster(tmp_path)
+    kernel_pid = km.provisioner.process.pid
+    try:
+        os.kill(kernel_pid, signal.SIGKILL)
+        left = _wait_gone(pids, 10.0)
+        assert left == [], f"still running 10 s after the kernel was SIGKILLed: {left}"
+    finally:
+        kc.stop_channels()
+        km.cleanup_resources()
+        for pid in pids_alive(pids):  # never leave them, even when the assertion fails
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_kernel_shutdown_stops_the_cluster(tmp_path):
+    km, kc, pids = _kernel_with_cluster(tmp_path)
+    try:
+        km.shutdown_kernel(now=False)
+        left = _wait_gone(pids, 10.0)
+        assert left == [], f"still running after kernel shutdown: {left}"
+    finally:
+        kc.stop_channels()
+        for pid in pids_alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_shutdown_and_dead_rank_report():
+    from notebook_dist import DistCluster
+    from notebook_dist.errors import ClusterError
+
+    cluster = DistCluster(n=2).start()
+    pids = [r.pid for r in cluster.ranks] + [cluster._cluster.controller.pid, cluster._reaper.proc.pid]
+    try:
+        os.kill(cluster.ranks[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while not cluster.dead_ranks() and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert cluster.dead_ranks() == {1: "was killed by SIGKILL"}
+        with pytest.raises(ClusterError) as info:
+            cluster.run("1 + 1")
+        assert str(info.value) == "rank 1 was killed by SIGKILL. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
+        rows = cluster.status()
+        assert rows[1]["state"] == "dead (was killed by SIGKILL)" and rows[0]["state"] == "idle"
+    finally:
+        cluster.shutdown()
+    assert _wait_gone(pids, 5.0) == []
+
+
+def test_rank_dying_during_a_cell_ends_the_cell():
+    from notebook_dist import DistCluster
+    from notebook_dist.errors import ClusterError
+
+    with DistCluster(n=2) as cluster:
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as info:
+            cluster.run("import os, time\nif nd.rank == 1:\n    os._exit(7)\ntime.sleep(60)")
+        assert time.monotonic() - t0 < 10
+        assert str(info.value) == "rank 1 exited with code 7 while the cell ran. Run %dist_restart for a fresh set of ranks."
+        pids = [r.pid for r in cluster.ranks]
+    assert _wait_gone(pids, 5.0) == []

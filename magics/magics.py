@@ -28,6 +28,7 @@ class DistMagics(Magics):
     @argument("--backend", default="auto", help="auto (NCCL when every rank has its own GPU, else Gloo), gloo or nccl")
     @argument("--gpus", default=None, help="GPU indices to use, e.g. 0,1 (default: all visible)")
     @argument("--timeout", type=float, default=None, help="collective timeout in seconds (default 300)")
+    @argument("--hang-after", type=float, default=None, help="seconds without progress before a diagnosis is shown (default 10)")
     @line_magic
     def dist_init(self, line: str = ""):
         """Start the ranks: one engine per GPU (or -n CPU ranks), process group ready.
@@ -46,9 +47,15 @@ class DistMagics(Magics):
             wanted = DistCluster(n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout)
         except PreflightError as exc:
             raise _usage(exc) from None
+        if args.hang_after is not None:
+            if args.hang_after <= 0:
+                raise UsageError("--hang-after: give a positive number of seconds")
+            wanted.config.hang_after_s = args.hang_after
         live = session.current()
         if live is not None:
             if live.request == wanted.request:
+                if args.hang_after is not None:
+                    live.config.hang_after_s = args.hang_after
                 print(f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend}).")
                 return
             print(
@@ -119,6 +126,7 @@ class DistMagics(Magics):
     @magic_arguments()
     @argument("--ranks", default="all", help="ranks to run on: all, 0, 0,2 or 1-3 (default all)")
     @argument("--gather", nargs="+", default=[], metavar="NAME", help="bind these variables in the notebook as RankValues")
+    @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="show a diagnosis after this long without progress")
     @argument("--autodist", action="store_true", help="set by %%autodist: the cell has no magic line of its own")
     @cell_magic
     def distributed(self, line: str, cell: str):
@@ -137,7 +145,10 @@ class DistMagics(Magics):
         rank's traceback is shown once and the cell fails.
         """
         args = parse_argstring(self.distributed, line)
-        return self._run(cell, args.ranks, args.gather, header=None if args.autodist else f"%%distributed {line}".rstrip())
+        if args.hang_after is not None and args.hang_after <= 0:
+            raise UsageError("--hang-after: give a positive number of seconds")
+        header = None if args.autodist else f"%%distributed {line}".rstrip()
+        return self._run(cell, args.ranks, args.gather, header=header, hang_after=args.hang_after)
 
     @cell_magic
     def rank(self, line: str, cell: str):
@@ -151,7 +162,7 @@ class DistMagics(Magics):
             raise UsageError("%%rank needs ranks, e.g. %%rank 0 or %%rank 0,2 or %%rank 1-3")
         return self._run(cell, spec, [], header=f"%%rank {line}".rstrip())
 
-    def _run(self, cell: str, ranks: str, gather: list[str], header: str | None):
+    def _run(self, cell: str, ranks: str, gather: list[str], header: str | None, hang_after: float | None = None):
         for name in gather:
             if not name.isidentifier():
                 raise UsageError(f"--gather {name!r}: not a valid Python name")
@@ -163,11 +174,89 @@ class DistMagics(Magics):
             raise _usage(exc) from None
         cluster = self._cluster()
         filename = f"Cell In[{self.shell.displayhook.prompt_count}]"  # IPython's own Out[N] number
-        result = cluster.run(cell, ranks, gather, filename=filename, header=header)
+        result = cluster.run(cell, ranks, gather, filename=filename, header=header, hang_after=hang_after)
         for name, values in result.gathered.items():
             self.shell.user_ns[name] = values
         result.raise_for_errors()
         return result.values
+
+    # ---- hangs and recovery --------------------------------------------------------
+
+    @magic_arguments()
+    @argument("--ranks", default="all", help="ranks to show (default all)")
+    @line_magic
+    def dist_stacks(self, line: str = ""):
+        """Every rank's Python stack, with frames in the cell shown as cell lines.
+
+        In [7]: %dist_stacks
+        rank 0: in broadcast #1
+          line 4, in <module>
+            dist.broadcast(x, 0)
+
+        Shows the stacks of the last cell at the moment it hung or was interrupted, or
+        the live stacks while a cell runs from another thread.
+        """
+        args = parse_argstring(self.dist_stacks, line)
+        cluster = self._live_cluster()
+        try:
+            ranks = cluster.select(args.ranks)
+        except RankSpecError as exc:
+            raise _usage(exc) from None
+        from notebook_dist.doctor import format_stacks
+
+        watch = cluster.last_watch
+        if watch is None:
+            print("notebook_dist: no cell has run yet; every rank is idle.")
+            return
+        snaps = watch.frozen if (watch.frozen is not None and not watch.running()) else {r: v.snap for r, v in watch.views.items()}
+        when = "now" if watch.running() else ("when the last cell hung or was interrupted" if watch.frozen is not None else "at the end of the last cell")
+        print(f"stacks {when}:")
+        print(format_stacks({r: snaps.get(r, {}) for r in ranks if r in snaps}, watch.prepared.filename))
+
+    @line_magic
+    def dist_diagnose(self, line: str = ""):
+        """The doctor's diagnosis of the running or last cell: a table and a verdict.
+
+        In [8]: %dist_diagnose
+        """
+        if line.strip():
+            raise UsageError("%dist_diagnose takes no arguments")
+        cluster = self._live_cluster()
+        watch = cluster.last_watch
+        if watch is None:
+            print("notebook_dist: no cell has run yet.")
+            return
+        if watch.frozen is not None and not watch.running():
+            for r, snap in watch.frozen.items():
+                watch.views[r].snap = snap
+                if watch.views[r].released:
+                    watch.views[r].status = "running"  # as it was before the release
+        print(watch.diagnose().text())
+
+    @magic_arguments()
+    @argument("--replay", action="store_true", help="re-run the cells that ran on every rank since %%dist_init")
+    @line_magic
+    def dist_restart(self, line: str = ""):
+        """Fresh engines and process group, same ranks; --replay rebuilds your state.
+
+        In [9]: %dist_restart --replay
+        notebook_dist: restarted 2 ranks (gloo) in 7.9 s; replayed 3 cells.
+        """
+        args = parse_argstring(self.dist_restart, line)
+        import time
+
+        cluster = self._live_cluster()
+        t0 = time.perf_counter()
+        history = list(cluster.history)
+        fresh = cluster.restarted()
+        session.set_current(fresh)
+        msg = f"notebook_dist: restarted {fresh.world_size} ranks ({fresh.backend}) in {time.perf_counter() - t0:.1f} s"
+        if args.replay:
+            print(msg + f"; replaying {len(history)} cell{'s' if len(history) != 1 else ''}.")
+            n = fresh.replay(history)
+            print(f"notebook_dist: replayed {n} cell{'s' if n != 1 else ''}; the ranks are where they were.")
+        else:
+            print(msg + (f"; {len(history)} earlier cells can be replayed with --replay." if history else "."))
 
     # ---- moving values -------------------------------------------------------------
 

@@ -29,10 +29,14 @@ _LAZY = {
 }
 _RANK_FIELDS = ("rank", "world_size", "local_rank", "device")
 
-__all__ = [*_LAZY, *_RANK_FIELDS, "is_main", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = [*_LAZY, *_RANK_FIELDS, "is_main", "report", "load_ipython_extension", "unload_ipython_extension"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "faults":
+        from . import faults
+
+        return faults
     if name in _RANK_FIELDS:
         from .runtime.state import current
 
@@ -50,6 +54,13 @@ def is_main() -> bool:
     from .runtime.state import current
 
     return current().rank == 0
+
+
+def report(**metrics: Any) -> None:
+    """Inside a cell: ``nd.report(step=i, loss=l, total=n, samples=b)`` feeds the dashboard."""
+    from .runtime.report import report as _report
+
+    _report(**metrics)
 
 
 def load_ipython_extension(ipython) -> None:

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,13 +27,15 @@ from typing import Any, TextIO
 from . import launch
 from .config import DistConfig
 from .errors import ClusterError, TransferError
-from .execute import CellResult, OutputStreamer, PreparedCell, collect, prepare_cell
+from .execute import CellResult, PreparedCell, collect, prepare_cell
 from .plan import ClusterPlan, plan_cluster
 from .ranks import parse_ranks
 from .reaper import Reaper
 from .runtime import bootstrap as rt_bootstrap
 from .runtime import cell as rt_cell
+from .runtime import recover as rt_recover
 from .values import RankValues, pack_named, unpack
+from .watch import CellWatch
 
 log = logging.getLogger("notebook_dist")
 
@@ -90,6 +93,9 @@ class DistCluster:
         self._reaper: Reaper | None = None
         self._profile_dir: str | None = None
         self._state = "new"
+        self.last_watch: CellWatch | None = None
+        #: cells that ran cleanly on every rank since start, for %dist_restart --replay
+        self.history: list[PreparedCell] = []
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -178,7 +184,8 @@ class DistCluster:
             env = dict(rp.env, MASTER_PORT=str(port))
             ars.append(
                 client[eid].apply_async(
-                    rt_bootstrap.bootstrap, env, rp.device, self.plan.backend, self.config.timeout_s, self.config.rank_overrides()
+                    rt_bootstrap.bootstrap, env, rp.device, self.plan.backend, self.config.timeout_s,
+                    self.config.rank_overrides(), self._control_file(rp.rank), self.config.publish_interval_s,
                 )
             )
         infos = []
@@ -195,6 +202,10 @@ class DistCluster:
         for key, old in sorted(overridden.items()):
             new = self.config.rank_overrides()[key]
             self.notes.append(f"{key} was {old!r} in your environment; ranks use {new!r} (see notebook_dist.config)")
+
+    def _control_file(self, rank: int) -> str:
+        os.makedirs(os.path.join(self._profile_dir, "control"), exist_ok=True)
+        return os.path.join(self._profile_dir, "control", f"release-rank-{rank}")
 
     def shutdown(self) -> None:
         """Stop every process this cluster started; safe to call more than once."""
@@ -260,6 +271,32 @@ class DistCluster:
                 dead[rank] = launch.describe_exit(el.exit_code)
         return dead
 
+    def fault_report(self, rank: int) -> dict[str, Any]:
+        """Where a rank that died of a fatal signal was: its cell line and collective, if known."""
+        from .runtime.tracker import COLLECTIVES
+
+        path = self._control_file(rank).replace("release-rank-", "fault-rank-")
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return {}
+        section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
+        out: dict[str, Any] = {}
+        for line in section.splitlines():
+            line = line.strip()
+            if not line.startswith('File "'):
+                if out and not line:
+                    break
+                continue
+            filename, _, rest = line[6:].partition('", line ')
+            num, _, func = rest.partition(" in ")
+            if "op" not in out and func in COLLECTIVES:
+                out["op"] = func
+            if filename.startswith("Cell In[") and "line" not in out:
+                out["file"], out["line"] = filename, int(num)
+        return out
+
     def _check_alive(self, ranks: list[int]) -> None:
         dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
         if dead:
@@ -286,11 +323,15 @@ class DistCluster:
         header: str | None = None,
         out: TextIO | None = None,
         err: TextIO | None = None,
+        hang_after: float | None = None,
+        on_update=None,
     ) -> CellResult:
         """Run a cell on the selected ranks at once, streaming their output live.
 
         Returns a :class:`CellResult`; call ``raise_for_errors()`` to raise
         :class:`RankError` if any rank raised. A syntax error raises before any rank runs.
+        While it runs, a hang longer than ``hang_after`` seconds prints a diagnosis, and a
+        rank that raises or dies while others wait in a collective gets them released.
         """
         self._require_running()
         selected = self.select(ranks)
@@ -298,41 +339,65 @@ class DistCluster:
         self._check_alive(selected)
         gather = list(gather)
         t0 = time.perf_counter()
-        view = self._view(selected)
-        ar = view.apply_async(
+        ar = self._view(selected).apply_async(
             rt_cell.run_cell, prepared.code, prepared.filename, prepared.source, prepared.first_line, gather, prepared.want_value
         )
-        packed = self._wait(ar, selected, out, err)
-        result = collect(selected, [unpack(frames) for frames in packed], gather)
+        watch = self.last_watch = CellWatch(
+            self, ar, selected, prepared, out, err,
+            self.config.hang_after_s if hang_after is None else hang_after, on_update,
+        )
+        watch.run_to_end()
+        if any(v.status == "dead" for v in watch.views.values()):
+            raise ClusterError(watch.diagnose().verdict)
+        results = [watch.views[r].result for r in selected]
+        result = collect(selected, results, gather)
+        for r in watch.released:
+            # a released rank's error is a consequence, not a cause: the cause is shown
+            if r in result.errors and len(result.errors) > 1:
+                del result.errors[r]
+        result.released = sorted(watch.released)
         result.elapsed_s = time.perf_counter() - t0
+        if not result.errors and not watch.released and len(selected) == self.world_size:
+            self.history.append(prepared)
         return result
 
-    def _wait(self, ar, ranks: list[int], out, err) -> list:
-        """Wait for an AsyncResult while streaming output; on Ctrl-C interrupt the ranks."""
-        client = self._client
-        streamer = OutputStreamer([(r, client.metadata[mid]) for r, mid in zip(ranks, ar.msg_ids)], out, err)
-        try:
-            while not ar.ready():
-                ar.wait(0.05)
-                streamer.poll()
-                dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
-                if dead:
-                    streamer.finish()
-                    what = "; ".join(f"rank {r} {how}" for r, how in dead.items())
-                    raise ClusterError(
-                        f"{what} while the cell ran. Run %dist_restart for a fresh set of ranks."
-                    )
-        except KeyboardInterrupt:
-            self.interrupt(ranks)
-            ar.wait(5)
-            streamer.finish()
-            raise
-        ar.wait_for_output(2)
-        streamer.finish()
-        try:
-            return ar.get()
-        except Exception as exc:
-            raise ClusterError(f"the cell could not run on the ranks: {_remote_message(exc)}") from None
+    def restarted(self) -> DistCluster:
+        """Stop this cluster and return a fresh one with the same request (and history)."""
+        fresh = DistCluster(
+            n=self.request["n"], backend=self.request["backend"], gpus=self.request["gpus"],
+            timeout=self.request["timeout"], config=self.config,
+        )
+        history = list(self.history)
+        self.shutdown()
+        fresh.start()
+        fresh.history = history
+        return fresh
+
+    def replay(self, cells: list[PreparedCell], out: TextIO | None = None, err: TextIO | None = None) -> int:
+        """Re-run recorded cells in order; stops at (and raises) the first failure."""
+        done = 0
+        self.history = []
+        for prepared in cells:
+            result = self.run(prepared, out=out, err=err)
+            result.raise_for_errors()
+            done += 1
+        return done
+
+    def release_collectives(self, ranks: list[int]) -> None:
+        """Ask the ranks' agents to close their Gloo connections (see runtime.recover)."""
+        for r in ranks:
+            path = self._control_file(r)
+            with open(path, "a"):
+                pass
+            now = time.time_ns()
+            os.utime(path, ns=(now, now))
+
+    def rebuild_process_group(self) -> float:
+        """A fresh default process group on every rank (after a release); returns seconds."""
+        t0 = time.perf_counter()
+        port = free_port()
+        self.apply(rt_recover.reinit, port, timeout=60)
+        return time.perf_counter() - t0
 
     def interrupt(self, ranks: Any = None) -> None:
         """Send SIGINT to the selected ranks (like the notebook's stop button)."""

@@ -22,6 +22,19 @@ class DistConfig:
     start_timeout_s: float = 120.0
     """How long to wait for every engine to start and register before giving up."""
 
+    hang_after_s: float = 10.0
+    """While a cell runs, when no rank has made progress for this long the notebook shows
+    a diagnosis (``--hang-after`` per cell). Progress: a collective completing, the stack
+    moving to another line, output, or an ``nd.report``."""
+
+    release_after_error_s: float = 2.0
+    """When a rank has raised and the others stop making progress for this long (or are
+    inside a collective), they are released from their collectives so the cell ends
+    in seconds rather than after the collective timeout."""
+
+    publish_interval_s: float = 0.5
+    """How often each rank's agent thread reports its state while a cell runs."""
+
     nccl_async_error_handling: str = "2"
     """``TORCH_NCCL_ASYNC_ERROR_HANDLING``: 2 aborts the communicators and raises in the
     caller but keeps the process (torch's default 3 tears the process down, i.e. the

@@ -135,6 +135,7 @@ class CellResult:
     gathered: dict[str, RankValues] = field(default_factory=dict)
     errors: dict[int, RemoteTraceback] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    released: list[int] = field(default_factory=list)
 
     def raise_for_errors(self) -> None:
         if self.errors:

@@ -96,6 +96,6 @@ def test_rank_dying_during_a_cell_ends_the_cell():
         with pytest.raises(ClusterError) as info:
             cluster.run("import os, time\nif nd.rank == 1:\n    os._exit(7)\ntime.sleep(60)")
         assert time.monotonic() - t0 < 10
-        assert str(info.value) == "rank 1 exited with code 7 while the cell ran. Run %dist_restart for a fresh set of ranks."
+        assert str(info.value) == "rank 1 exited with code 7. Run %dist_restart (add --replay to re-run your setup cells)."
         pids = [r.pid for r in cluster.ranks]
     assert _wait_gone(pids, 5.0) == []

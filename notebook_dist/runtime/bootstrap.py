@@ -61,7 +61,19 @@ def _install_init_guard(dist_module) -> None:
     c10d.init_process_group = _guarded_init_process_group
 
 
-def bootstrap(env: dict[str, str], device: str, backend: str, timeout_s: float, overrides: dict[str, str]) -> dict:
+def original_init_process_group():
+    """torch's own ``init_process_group`` (ours skips a second init)."""
+    if _original_init is None:
+        import torch.distributed as dist
+
+        return dist.init_process_group
+    return _original_init
+
+
+def bootstrap(
+    env: dict[str, str], device: str, backend: str, timeout_s: float, overrides: dict[str, str],
+    control_file: str | None = None, publish_interval: float = 0.5,
+) -> dict:
     """Set torchrun's environment, pin the device, and initialise the default group.
 
     ``overrides`` are interactive-safe settings; a user-set value that differs is
@@ -89,8 +101,12 @@ def bootstrap(env: dict[str, str], device: str, backend: str, timeout_s: float, 
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
     _install_init_guard(dist)
+    from . import recover, tracker
+
+    tracker.install(dist)
     if dist.is_initialized():
         dist.destroy_process_group()
+    recover.remember_preexisting_sockets()
     kwargs: dict[str, Any] = dict(
         backend=backend,
         init_method="env://",
@@ -109,6 +125,9 @@ def bootstrap(env: dict[str, str], device: str, backend: str, timeout_s: float, 
     STATE.backend = backend
     STATE.timeout_s = timeout_s
     STATE.bootstrapped = True
+    _start_agent(control_file, publish_interval)
+    if control_file:
+        _enable_fault_report(control_file.replace("release-rank-", "fault-rank-"))
 
     import notebook_dist
 
@@ -128,6 +147,29 @@ def bootstrap(env: dict[str, str], device: str, backend: str, timeout_s: float, 
         "init_s": time.perf_counter() - t0,
         "overridden": overridden,
     }
+
+
+def _enable_fault_report(path: str) -> None:
+    """On a fatal signal (Gloo's abort, a segfault) Python writes every thread's stack
+    here, so the notebook can say at which cell line the rank died. Costs nothing until then."""
+    import faulthandler
+
+    old = STATE.extras.get("fault_file")
+    f = open(path, "w")  # noqa: SIM115 - must stay open for the life of the process
+    faulthandler.enable(file=f, all_threads=True)
+    STATE.extras["fault_file"] = f
+    if old is not None:
+        old.close()
+
+
+def _start_agent(control_file: str | None, interval: float) -> None:
+    from .agent import Agent
+
+    old = STATE.extras.get("agent")
+    if old is not None:
+        old.stopped.set()
+    agent = STATE.extras["agent"] = Agent(control_file, interval)
+    agent.start()
 
 
 def health() -> dict:

@@ -48,9 +48,15 @@ def run_cell(code: str, filename: str, source: str, first_line: int, gather: lis
     ``source`` is the cell as the notebook shows it (for tracebacks) and ``first_line``
     the notebook line number of ``code``'s first line.
     """
+    import time
+
+    from .tracker import TRACKER
+
     ns = user_namespace()
     _register_source(filename, source)
     result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
+    TRACKER.reset_cell()
+    STATE.reset_cell(time.time())
     try:
         tree = ast.parse(code, filename=filename)
         ast.increment_lineno(tree, first_line - 1)
@@ -68,8 +74,11 @@ def run_cell(code: str, filename: str, source: str, first_line: int, gather: lis
         result.pop("value", None)
         result["has_value"] = False
     finally:
+        STATE.cell_state = result["status"] if result["status"] == "error" else "done"
         sys.stdout.flush()
         sys.stderr.flush()
+    result["collectives"] = TRACKER.count
+    result["wait_s"] = TRACKER.wait_s
     gathered, missing = {}, []
     for name in gather:
         if name in ns:

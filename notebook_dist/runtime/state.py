@@ -18,7 +18,21 @@ class RankState:
     bootstrapped: bool = False
     #: the last exception a cell raised on this rank: (exc, traceback), for post-mortems
     last_error: tuple[BaseException, Any] | None = None
+    #: "idle", "running", "done" or "error": what the current/last cell is doing here
+    cell_state: str = "idle"
+    cell_started: float = 0.0
+    #: latest values from nd.report(), and a bounded history of each numeric one
+    metrics: dict[str, Any] = field(default_factory=dict)
+    series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    reports: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+
+    def reset_cell(self, started: float) -> None:
+        self.cell_state = "running"
+        self.cell_started = started
+        self.metrics = {}
+        self.series = {}
+        self.reports = 0
 
 
 STATE = RankState()

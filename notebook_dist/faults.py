@@ -1,0 +1,100 @@
+"""Fault injection: reproduce each classic distributed bug on demand, inside a cell.
+
+For teaching and for tests. Call inside ``%%distributed`` on every rank::
+
+    %%distributed
+    nd.faults.conditional_collective()      # a collective only rank 0 calls
+
+Each function does what buggy user code does; none of them fakes a diagnosis.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def _dist():
+    import torch
+    import torch.distributed as dist
+
+    return torch, dist
+
+
+def conditional_collective(rank: int = 0) -> None:
+    """Only ``rank`` broadcasts; every rank then all_reduces: the ranks disagree at #1."""
+    torch, dist = _dist()
+    t = torch.ones(4)
+    if dist.get_rank() == rank:
+        dist.broadcast(t, src=rank)
+    dist.all_reduce(t)
+
+
+def mismatched_ops() -> None:
+    """Rank 0 all_reduces while the others all_gather, at the same step."""
+    torch, dist = _dist()
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    else:
+        dist.all_gather([torch.empty(4) for _ in range(dist.get_world_size())], t)
+
+
+def mismatched_dtypes() -> None:
+    """Rank 0 passes float32, the others float64 (Gloo aborts the receiving rank)."""
+    torch, dist = _dist()
+    dist.all_reduce(torch.ones(4, dtype=torch.float32 if dist.get_rank() == 0 else torch.float64))
+
+
+def mismatched_shapes() -> None:
+    """Rank 0 passes 4 elements, the others 5 (Gloo aborts the receiving rank)."""
+    torch, dist = _dist()
+    dist.all_reduce(torch.ones(4 if dist.get_rank() == 0 else 5))
+
+
+def raise_on(rank: int = 1, after_s: float = 0.5) -> None:
+    """``rank`` raises while the others wait for it in an all_reduce."""
+    torch, dist = _dist()
+    if dist.get_rank() == rank:
+        time.sleep(after_s)
+        raise RuntimeError(f"injected failure on rank {rank}")
+    dist.all_reduce(torch.ones(1))
+
+
+def die(rank: int = 1, sig: int = signal.SIGKILL, after_s: float = 0.5) -> None:
+    """``rank``'s process is killed by ``sig`` while the others wait in an all_reduce."""
+    torch, dist = _dist()
+    if dist.get_rank() == rank:
+        time.sleep(after_s)
+        os.kill(os.getpid(), sig)
+    dist.all_reduce(torch.ones(1))
+
+
+def busy(rank: int = 1, seconds: float = 60.0) -> None:
+    """``rank`` computes in Python for ``seconds`` before joining the others' all_reduce."""
+    torch, dist = _dist()
+    if dist.get_rank() == rank:
+        deadline = time.monotonic() + seconds
+        x = 0
+        while time.monotonic() < deadline:
+            x += 1
+    dist.all_reduce(torch.ones(1))
+
+
+def finish_early(rank: int = 1) -> None:
+    """``rank`` skips the final barrier and finishes the cell while the others wait."""
+    _, dist = _dist()
+    if dist.get_rank() != rank:
+        dist.barrier()
+
+
+def uneven_ddp(extra_batches: int = 3) -> None:
+    """A DDP loop where rank 0 has ``extra_batches`` more batches than the others."""
+    torch, dist = _dist()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(torch.nn.Linear(4, 1))
+    batches = 5 + (extra_batches if dist.get_rank() == 0 else 0)
+    for _ in range(batches):
+        model(torch.randn(8, 4)).sum().backward()

@@ -1,0 +1,128 @@
+"""The agent thread on each rank: reports the rank's state while a cell runs.
+
+Every ``interval`` seconds during a cell it publishes a snapshot through ipyparallel's
+data channel (signed messages on the engine's existing IOPub socket, so no new port):
+cell state, the collective the rank is in, the main thread's stack mapped to cell lines,
+memory, and the metrics from ``nd.report``. It runs while the main thread is blocked in a
+collective (the wait releases the GIL). It also watches a control file through which the
+notebook asks it to release a collective that will never complete.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from .state import STATE
+from .tracker import CELL_PREFIX, TRACKER
+
+TICK_S = 0.1
+
+
+def main_stack(limit: int = 12) -> list[dict[str, Any]]:
+    """The main thread's Python stack, innermost last, from the first cell frame down."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    frames = []
+    while frame is not None:
+        code = frame.f_code
+        frames.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    frames.reverse()
+    start = next((i for i, f in enumerate(frames) if f[0].startswith(CELL_PREFIX)), None)
+    if start is not None:
+        frames = frames[start:]
+    else:
+        frames = frames[-4:]
+    import linecache
+
+    out = [
+        {"file": f, "line": ln, "func": fn, "code": linecache.getline(f, ln).strip()}
+        for f, ln, fn in frames[-limit:]
+    ]
+    return out
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _gpu_memory() -> tuple[int, int] | None:
+    torch = sys.modules.get("torch")
+    if torch is None or not STATE.device.startswith("cuda") or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def snapshot() -> dict[str, Any]:
+    now = time.time()
+    current = TRACKER.current
+    wait_s = TRACKER.wait_s + (now - current["t0"] if current else 0.0)
+    return {
+        "rank": STATE.rank,
+        "pid": os.getpid(),
+        "time": now,
+        "cell_state": STATE.cell_state,
+        "cell_started": STATE.cell_started,
+        "collective": dict(current) if current else None,
+        "history": [dict(r) for r in list(TRACKER.history)[-8:]],
+        "collectives_done": TRACKER.count,
+        "wait_s": wait_s,
+        "stack": main_stack(),
+        "rss": _rss_bytes(),
+        "gpu": _gpu_memory(),
+        "metrics": dict(STATE.metrics),
+        "series": {k: list(v) for k, v in STATE.series.items()},
+        "reports": STATE.reports,
+    }
+
+
+class Agent(threading.Thread):
+    def __init__(self, control_file: str | None, interval: float = 0.5):
+        super().__init__(name="notebook_dist-agent", daemon=True)
+        self.control_file = control_file
+        self.interval = interval
+        self._control_mtime = self._mtime()
+        self._last_publish = 0.0
+        self.stopped = threading.Event()
+
+    def _mtime(self) -> float:
+        if not self.control_file:
+            return 0.0
+        try:
+            return os.stat(self.control_file).st_mtime_ns
+        except OSError:
+            return 0.0
+
+    def run(self) -> None:
+        from .recover import abort_collectives
+
+        while not self.stopped.wait(TICK_S):
+            try:
+                mtime = self._mtime()
+                if mtime != self._control_mtime:
+                    self._control_mtime = mtime
+                    STATE.extras["released"] = abort_collectives()
+                now = time.monotonic()
+                if STATE.cell_state == "running" and now - self._last_publish >= self.interval:
+                    self._last_publish = now
+                    publish(snapshot())
+            except Exception:  # never let the agent die: it is how hangs get explained
+                time.sleep(self.interval)
+
+
+def publish(data: dict[str, Any]) -> None:
+    try:
+        from ipyparallel.datapub import publish_data
+    except ImportError:
+        return
+    try:
+        publish_data({"nd": data})
+    except Exception:
+        pass

@@ -24,11 +24,24 @@ class DistMagics(Magics):
     # ---- cluster -------------------------------------------------------------------
 
     @magic_arguments()
-    @argument("-n", type=int, default=None, help="number of ranks (default: one per GPU, or 2 on CPU)")
-    @argument("--backend", default="auto", help="auto (NCCL when every rank has its own GPU, else Gloo), gloo or nccl")
+    @argument(
+        "-n", type=int, default=None, help="number of ranks (default: one per GPU, or 2 on CPU)"
+    )
+    @argument(
+        "--backend",
+        default="auto",
+        help="auto (NCCL when every rank has its own GPU, else Gloo), gloo or nccl",
+    )
     @argument("--gpus", default=None, help="GPU indices to use, e.g. 0,1 (default: all visible)")
-    @argument("--timeout", type=float, default=None, help="collective timeout in seconds (default 300)")
-    @argument("--hang-after", type=float, default=None, help="seconds without progress before a diagnosis is shown (default 10)")
+    @argument(
+        "--timeout", type=float, default=None, help="collective timeout in seconds (default 300)"
+    )
+    @argument(
+        "--hang-after",
+        type=float,
+        default=None,
+        help="seconds without progress before a diagnosis is shown (default 10)",
+    )
     @line_magic
     def dist_init(self, line: str = ""):
         """Start the ranks: one engine per GPU (or -n CPU ranks), process group ready.
@@ -44,7 +57,9 @@ class DistMagics(Magics):
         """
         args = parse_argstring(self.dist_init, line)
         try:
-            wanted = DistCluster(n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout)
+            wanted = DistCluster(
+                n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout
+            )
         except PreflightError as exc:
             raise _usage(exc) from None
         if args.hang_after is not None:
@@ -56,7 +71,9 @@ class DistMagics(Magics):
             if live.request == wanted.request:
                 if args.hang_after is not None:
                     live.config.hang_after_s = args.hang_after
-                print(f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend}).")
+                print(
+                    f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend})."
+                )
                 return
             print(
                 f"notebook_dist: replacing the running cluster ({live.world_size} ranks, {live.backend}) "
@@ -104,7 +121,11 @@ class DistMagics(Magics):
             return
         rows = cluster.status()
         print(f"{cluster.world_size} ranks, backend {cluster.backend}")
-        print(cluster.table(rows, ("rank", "host", "pid", "device", "backend", "state", "process_group")))
+        print(
+            cluster.table(
+                rows, ("rank", "host", "pid", "device", "backend", "state", "process_group")
+            )
+        )
 
     @line_magic
     def dist_shutdown(self, line: str = ""):
@@ -119,15 +140,35 @@ class DistMagics(Magics):
     def shutdown_cluster(self, quiet: bool = False) -> None:
         stopped = session.shutdown()
         if not quiet:
-            print("notebook_dist: cluster stopped." if stopped else "notebook_dist: no cluster was running.")
+            print(
+                "notebook_dist: cluster stopped."
+                if stopped
+                else "notebook_dist: no cluster was running."
+            )
 
     # ---- running cells -------------------------------------------------------------
 
     @magic_arguments()
     @argument("--ranks", default="all", help="ranks to run on: all, 0, 0,2 or 1-3 (default all)")
-    @argument("--gather", nargs="+", default=[], metavar="NAME", help="bind these variables in the notebook as RankValues")
-    @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="show a diagnosis after this long without progress")
-    @argument("--autodist", action="store_true", help="set by %%autodist: the cell has no magic line of its own")
+    @argument(
+        "--gather",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="bind these variables in the notebook as RankValues",
+    )
+    @argument(
+        "--hang-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="show a diagnosis after this long without progress",
+    )
+    @argument(
+        "--autodist",
+        action="store_true",
+        help="set by %%autodist: the cell has no magic line of its own",
+    )
     @cell_magic
     def distributed(self, line: str, cell: str):
         """Run the cell on every rank at once (or on --ranks).
@@ -162,7 +203,14 @@ class DistMagics(Magics):
             raise UsageError("%%rank needs ranks, e.g. %%rank 0 or %%rank 0,2 or %%rank 1-3")
         return self._run(cell, spec, [], header=f"%%rank {line}".rstrip())
 
-    def _run(self, cell: str, ranks: str, gather: list[str], header: str | None, hang_after: float | None = None):
+    def _run(
+        self,
+        cell: str,
+        ranks: str,
+        gather: list[str],
+        header: str | None,
+        hang_after: float | None = None,
+    ):
         for name in gather:
             if not name.isidentifier():
                 raise UsageError(f"--gather {name!r}: not a valid Python name")
@@ -174,7 +222,9 @@ class DistMagics(Magics):
             raise _usage(exc) from None
         cluster = self._cluster()
         filename = f"Cell In[{self.shell.displayhook.prompt_count}]"  # IPython's own Out[N] number
-        result = cluster.run(cell, ranks, gather, filename=filename, header=header, hang_after=hang_after)
+        result = cluster.run(
+            cell, ranks, gather, filename=filename, header=header, hang_after=hang_after
+        )
         for name, values in result.gathered.items():
             self.shell.user_ns[name] = values
         result.raise_for_errors()
@@ -208,10 +258,26 @@ class DistMagics(Magics):
         if watch is None:
             print("notebook_dist: no cell has run yet; every rank is idle.")
             return
-        snaps = watch.frozen if (watch.frozen is not None and not watch.running()) else {r: v.snap for r, v in watch.views.items()}
-        when = "now" if watch.running() else ("when the last cell hung or was interrupted" if watch.frozen is not None else "at the end of the last cell")
+        snaps = (
+            watch.frozen
+            if (watch.frozen is not None and not watch.running())
+            else {r: v.snap for r, v in watch.views.items()}
+        )
+        when = (
+            "now"
+            if watch.running()
+            else (
+                "when the last cell hung or was interrupted"
+                if watch.frozen is not None
+                else "at the end of the last cell"
+            )
+        )
         print(f"stacks {when}:")
-        print(format_stacks({r: snaps.get(r, {}) for r in ranks if r in snaps}, watch.prepared.filename))
+        print(
+            format_stacks(
+                {r: snaps.get(r, {}) for r in ranks if r in snaps}, watch.prepared.filename
+            )
+        )
 
     @line_magic
     def dist_diagnose(self, line: str = ""):
@@ -234,7 +300,11 @@ class DistMagics(Magics):
         print(watch.diagnose().text())
 
     @magic_arguments()
-    @argument("--replay", action="store_true", help="re-run the cells that ran on every rank since %%dist_init")
+    @argument(
+        "--replay",
+        action="store_true",
+        help="re-run the cells that ran on every rank since %%dist_init",
+    )
     @line_magic
     def dist_restart(self, line: str = ""):
         """Fresh engines and process group, same ranks; --replay rebuilds your state.
@@ -254,9 +324,18 @@ class DistMagics(Magics):
         if args.replay:
             print(msg + f"; replaying {len(history)} cell{'s' if len(history) != 1 else ''}.")
             n = fresh.replay(history)
-            print(f"notebook_dist: replayed {n} cell{'s' if n != 1 else ''}; the ranks are where they were.")
+            print(
+                f"notebook_dist: replayed {n} cell{'s' if n != 1 else ''}; the ranks are where they were."
+            )
         else:
-            print(msg + (f"; {len(history)} earlier cells can be replayed with --replay." if history else "."))
+            print(
+                msg
+                + (
+                    f"; {len(history)} earlier cells can be replayed with --replay."
+                    if history
+                    else "."
+                )
+            )
 
     # ---- moving values -------------------------------------------------------------
 

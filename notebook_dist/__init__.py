@@ -29,14 +29,21 @@ _LAZY = {
 }
 _RANK_FIELDS = ("rank", "world_size", "local_rank", "device")
 
-__all__ = [*_LAZY, *_RANK_FIELDS, "is_main", "report", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = [
+    *_LAZY,
+    *_RANK_FIELDS,
+    "is_main",
+    "report",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
 
 
 def __getattr__(name: str) -> Any:
     if name == "faults":
-        from . import faults
+        import importlib
 
-        return faults
+        return importlib.import_module("notebook_dist.faults")
     if name in _RANK_FIELDS:
         from .runtime.state import current
 

@@ -18,9 +18,9 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -81,7 +81,12 @@ class DistCluster:
 
                 raise PreflightError(f"--timeout {timeout}: give a positive number of seconds")
             self.config.timeout_s = float(timeout)
-        self.request = {"n": n, "backend": (backend or "auto").lower(), "gpus": gpus, "timeout": self.config.timeout_s}
+        self.request = {
+            "n": n,
+            "backend": (backend or "auto").lower(),
+            "gpus": gpus,
+            "timeout": self.config.timeout_s,
+        }
         self.plan: ClusterPlan = plan_cluster(n, backend, gpus, gpu_ids=gpu_ids)
         self.ranks: list[RankInfo] = []
         self.notes: list[str] = list(self.plan.notes)
@@ -114,7 +119,9 @@ class DistCluster:
     def start(self) -> DistCluster:
         """Start the controller and engines, then make every engine a rank."""
         if self._state != "new":
-            raise ClusterError(f"this cluster is {self._state}; make a new DistCluster to start again")
+            raise ClusterError(
+                f"this cluster is {self._state}; make a new DistCluster to start again"
+            )
         self._state = "starting"
         t0 = time.perf_counter()
         try:
@@ -184,8 +191,14 @@ class DistCluster:
             env = dict(rp.env, MASTER_PORT=str(port))
             ars.append(
                 client[eid].apply_async(
-                    rt_bootstrap.bootstrap, env, rp.device, self.plan.backend, self.config.timeout_s,
-                    self.config.rank_overrides(), self._control_file(rp.rank), self.config.publish_interval_s,
+                    rt_bootstrap.bootstrap,
+                    env,
+                    rp.device,
+                    self.plan.backend,
+                    self.config.timeout_s,
+                    self.config.rank_overrides(),
+                    self._control_file(rp.rank),
+                    self.config.publish_interval_s,
                 )
             )
         infos = []
@@ -193,15 +206,21 @@ class DistCluster:
             try:
                 infos.append(ar.get(timeout=self.config.start_timeout_s))
             except Exception as exc:
-                raise ClusterError(f"rank {rank} could not join the process group: {_remote_message(exc)}") from None
+                raise ClusterError(
+                    f"rank {rank} could not join the process group: {_remote_message(exc)}"
+                ) from None
         overridden: dict[str, str] = {}
         for rank, (info, eid) in enumerate(zip(infos, self._engine_ids)):
-            self.ranks.append(RankInfo(rank, eid, info["host"], info["pid"], info["device"], info["backend"]))
+            self.ranks.append(
+                RankInfo(rank, eid, info["host"], info["pid"], info["device"], info["backend"])
+            )
             self._launchers[rank] = self._by_pid.get(info["pid"])
             overridden.update(info["overridden"])
         for key, old in sorted(overridden.items()):
             new = self.config.rank_overrides()[key]
-            self.notes.append(f"{key} was {old!r} in your environment; ranks use {new!r} (see notebook_dist.config)")
+            self.notes.append(
+                f"{key} was {old!r} in your environment; ranks use {new!r} (see notebook_dist.config)"
+            )
 
     def _control_file(self, rank: int) -> str:
         os.makedirs(os.path.join(self._profile_dir, "control"), exist_ok=True)
@@ -261,7 +280,9 @@ class DistCluster:
 
     def _require_running(self) -> None:
         if self._state != "running":
-            raise ClusterError(f"the cluster is {self._state}: start one with %dist_init (or DistCluster.start())")
+            raise ClusterError(
+                f"the cluster is {self._state}: start one with %dist_init (or DistCluster.start())"
+            )
 
     def dead_ranks(self) -> dict[int, str]:
         """Ranks whose engine process has ended, with how it ended."""
@@ -301,7 +322,9 @@ class DistCluster:
         dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
         if dead:
             what = "; ".join(f"rank {r} {how}" for r, how in dead.items())
-            raise ClusterError(f"{what}. Run %dist_restart for a fresh set of ranks (or %dist_shutdown).")
+            raise ClusterError(
+                f"{what}. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
+            )
 
     def _view(self, ranks: list[int]):
         view = self._client.direct_view([self._engine_ids[r] for r in ranks])
@@ -339,13 +362,28 @@ class DistCluster:
         self._check_alive(selected)
         gather = list(gather)
         t0 = time.perf_counter()
+        token = uuid.uuid4().hex
         ar = self._view(selected).apply_async(
-            rt_cell.run_cell, prepared.code, prepared.filename, prepared.source, prepared.first_line, gather, prepared.want_value
+            rt_cell.run_cell,
+            prepared.code,
+            prepared.filename,
+            prepared.source,
+            prepared.first_line,
+            gather,
+            prepared.want_value,
+            token,
         )
         watch = self.last_watch = CellWatch(
-            self, ar, selected, prepared, out, err,
-            self.config.hang_after_s if hang_after is None else hang_after, on_update,
+            self,
+            ar,
+            selected,
+            prepared,
+            out,
+            err,
+            self.config.hang_after_s if hang_after is None else hang_after,
+            on_update,
         )
+        watch.token = token
         watch.run_to_end()
         if any(v.status == "dead" for v in watch.views.values()):
             raise ClusterError(watch.diagnose().verdict)
@@ -364,8 +402,11 @@ class DistCluster:
     def restarted(self) -> DistCluster:
         """Stop this cluster and return a fresh one with the same request (and history)."""
         fresh = DistCluster(
-            n=self.request["n"], backend=self.request["backend"], gpus=self.request["gpus"],
-            timeout=self.request["timeout"], config=self.config,
+            n=self.request["n"],
+            backend=self.request["backend"],
+            gpus=self.request["gpus"],
+            timeout=self.request["timeout"],
+            config=self.config,
         )
         history = list(self.history)
         self.shutdown()
@@ -373,7 +414,9 @@ class DistCluster:
         fresh.history = history
         return fresh
 
-    def replay(self, cells: list[PreparedCell], out: TextIO | None = None, err: TextIO | None = None) -> int:
+    def replay(
+        self, cells: list[PreparedCell], out: TextIO | None = None, err: TextIO | None = None
+    ) -> int:
         """Re-run recorded cells in order; stops at (and raises) the first failure."""
         done = 0
         self.history = []
@@ -383,12 +426,13 @@ class DistCluster:
             done += 1
         return done
 
-    def release_collectives(self, ranks: list[int]) -> None:
-        """Ask the ranks' agents to close their Gloo connections (see runtime.recover)."""
+    def release_collectives(self, ranks: list[int], token: str) -> None:
+        """Ask the ranks' agents to close their Gloo connections (see runtime.recover),
+        for the cell ``token`` only."""
         for r in ranks:
             path = self._control_file(r)
-            with open(path, "a"):
-                pass
+            with open(path, "w") as f:
+                f.write(token)
             now = time.time_ns()
             os.utime(path, ns=(now, now))
 
@@ -408,7 +452,9 @@ class DistCluster:
             except ProcessLookupError:
                 pass
 
-    def apply(self, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs) -> RankValues:
+    def apply(
+        self, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs
+    ) -> RankValues:
         """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns."""
         self._require_running()
         selected = self.select(ranks)
@@ -417,7 +463,9 @@ class DistCluster:
         try:
             results = ar.get(timeout=timeout)
         except Exception as exc:
-            raise ClusterError(f"could not run {getattr(func, '__name__', func)} on the ranks: {_remote_message(exc)}") from None
+            raise ClusterError(
+                f"could not run {getattr(func, '__name__', func)} on the ranks: {_remote_message(exc)}"
+            ) from None
         return RankValues(dict(zip(selected, results)))
 
     # ---- moving values -------------------------------------------------------------
@@ -425,7 +473,7 @@ class DistCluster:
     def push(self, values: dict[str, Any], ranks: Any = None) -> None:
         """Bind ``values`` (name -> object) in every selected rank's namespace."""
         self._require_running()
-        for name, value in values.items():
+        for name in values:
             if not name.isidentifier():
                 raise TransferError(f"{name!r} is not a valid Python name")
         for name, value in values.items():
@@ -469,7 +517,9 @@ class DistCluster:
             except Exception:
                 queue = {}
         idle = [
-            r.rank for r in self.ranks if r.rank not in dead and queue.get(r.engine_id, {}).get("queue", 0) == 0
+            r.rank
+            for r in self.ranks
+            if r.rank not in dead and queue.get(r.engine_id, {}).get("queue", 0) == 0
         ]
         health: dict[int, Any] = {}
         if idle:
@@ -487,11 +537,30 @@ class DistCluster:
             else:
                 state = "busy"
             h = health.get(r.rank)
-            pg = "unknown (busy)" if h is None else ("ok" if h.get("initialized") else "not initialised")
-            rows.append(dict(rank=r.rank, engine_id=r.engine_id, host=r.host, pid=r.pid, device=r.device, backend=r.backend, state=state, process_group=pg))
+            pg = (
+                "unknown (busy)"
+                if h is None
+                else ("ok" if h.get("initialized") else "not initialised")
+            )
+            rows.append(
+                dict(
+                    rank=r.rank,
+                    engine_id=r.engine_id,
+                    host=r.host,
+                    pid=r.pid,
+                    device=r.device,
+                    backend=r.backend,
+                    state=state,
+                    process_group=pg,
+                )
+            )
         return rows
 
-    def table(self, rows: list[dict[str, Any]] | None = None, columns: tuple[str, ...] = ("rank", "host", "pid", "device", "backend")) -> str:
+    def table(
+        self,
+        rows: list[dict[str, Any]] | None = None,
+        columns: tuple[str, ...] = ("rank", "host", "pid", "device", "backend"),
+    ) -> str:
         """The rank table as fixed-width text."""
         rows = [{c: getattr(r, c) for c in columns} for r in self.ranks] if rows is None else rows
         widths = {c: max(len(c), *(len(str(row[c])) for row in rows)) for c in columns}
@@ -523,4 +592,3 @@ def _tail(path: str, num_lines: int = 20) -> str:
             return "".join(f.readlines()[-num_lines:])
     except OSError:
         return "(no log)"
-

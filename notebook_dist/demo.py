@@ -45,7 +45,9 @@ flat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-n", type=int, default=None, help="ranks (default: one per GPU, else 2 CPU ranks)")
+    parser.add_argument(
+        "-n", type=int, default=None, help="ranks (default: one per GPU, else 2 CPU ranks)"
+    )
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args(argv)
 
@@ -53,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     with DistCluster(n=args.n) as cluster:
-        print(f"started {cluster.world_size} ranks ({cluster.backend}) in {time.perf_counter() - t0:.1f} s")
+        print(
+            f"started {cluster.world_size} ranks ({cluster.backend}) in {time.perf_counter() - t0:.1f} s"
+        )
         print(cluster.table())
         result = cluster.run(TRAIN_CELL.replace("STEPS", str(args.steps)), filename="demo")
         result.raise_for_errors()

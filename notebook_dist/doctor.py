@@ -26,7 +26,11 @@ class Diagnosis:
 
     def text(self) -> str:
         cols = ("rank", "state", "op", "shapes", "where", "waiting")
-        widths = {c: max(len(c), *(len(str(r[c])) for r in self.rows)) for c in cols} if self.rows else {}
+        widths = (
+            {c: max(len(c), *(len(str(r[c])) for r in self.rows)) for c in cols}
+            if self.rows
+            else {}
+        )
         lines = []
         if self.rows:
             lines.append("  ".join(c.ljust(widths[c]) for c in cols))
@@ -49,29 +53,46 @@ def _line_of(rec_where: Any) -> int | None:
 def _shape_text(shapes: list) -> str:
     if not shapes:
         return ""
-    return ", ".join(str(tuple(s)) if not isinstance(s, list) else "[" + ", ".join(str(tuple(x)) for x in s) + "]" for s in shapes)
+    return ", ".join(
+        str(tuple(s))
+        if not isinstance(s, list)
+        else "[" + ", ".join(str(tuple(x)) for x in s) + "]"
+        for s in shapes
+    )
 
 
 def _stack_line(stack: list[dict] | None, cell_file: str | None) -> tuple[str, int | None]:
-    """Where in the cell the main thread is, and the innermost frame outside it."""
+    """Where in the cell the main thread is: 'line 5 in crunch (called at line 8)'."""
     if not stack:
         return "?", None
-    cell_frames = [f for f in stack if f["file"] == cell_file] or [f for f in stack if f["file"].startswith("Cell In[")]
+
+    def at(f):
+        return f"line {f['line']}" if f["file"] == cell_file else f"{f['file']}, line {f['line']}"
+
+    cell_frames = [f for f in stack if f["file"].startswith("Cell In[")]
     inner = stack[-1]
-    if cell_frames:
-        f = cell_frames[-1]
-        at = f"line {f['line']}" if f["file"] == cell_file else f"{f['file']}, line {f['line']}"
-        if inner is not f:
-            at += f" (in {inner['func']}, {inner['file'].rsplit('/', 1)[-1]}:{inner['line']})"
-        return at, f["line"]
-    return f"{inner['func']} ({inner['file'].rsplit('/', 1)[-1]}:{inner['line']})", None
+    if not cell_frames:
+        return f"{inner['func']} ({inner['file'].rsplit('/', 1)[-1]}:{inner['line']})", None
+    innermost, outermost = cell_frames[-1], cell_frames[0]
+    text = at(innermost)
+    if innermost["func"] != "<module>":
+        text += f" in {innermost['func']}"
+    if innermost is not outermost:
+        text += f" (called at {at(outermost)})"
+    if inner is not innermost:
+        text += f", now in {inner['func']} ({inner['file'].rsplit('/', 1)[-1]}:{inner['line']})"
+    return text, innermost["line"]
 
 
 def _in_backward(stack: list[dict] | None) -> bool:
-    return bool(stack) and any(f["func"] in ("backward", "_engine_run_backward", "run_backward") for f in stack)
+    return bool(stack) and any(
+        f["func"] in ("backward", "_engine_run_backward", "run_backward") for f in stack
+    )
 
 
-def rank_condition(source: str | None, line: int | None, first_line: int = 1) -> tuple[int, str] | None:
+def rank_condition(
+    source: str | None, line: int | None, first_line: int = 1
+) -> tuple[int, str] | None:
     """If ``line`` sits inside an ``if`` whose test mentions the rank: (if line, test text)."""
     if not source or line is None:
         return None
@@ -101,11 +122,20 @@ def _records(snap: dict) -> list[dict]:
     return recs
 
 
-def _first_divergence(ranks: dict[int, dict], members: dict[str, list[int]]):
-    """The earliest (group, seq) at which the ranks' collective records disagree."""
+def _first_divergence(
+    ranks: dict[int, dict], members: dict[str, list[int]], status: dict[int, str]
+):
+    """The earliest (group, seq) at which the ranks' collective records disagree.
+
+    A rank lacking a record only counts as diverging once it has finished the cell: a
+    rank still running may simply not have got there yet (that is a "busy" rank).
+    """
     best = None
     for group, group_ranks in members.items():
-        by_rank = {r: {rec["seq"]: rec for rec in _records(ranks[r]["snap"]) if rec["group"] == group} for r in group_ranks}
+        by_rank = {
+            r: {rec["seq"]: rec for rec in _records(ranks[r]["snap"]) if rec["group"] == group}
+            for r in group_ranks
+        }
         seqs = sorted({s for recs in by_rank.values() for s in recs})
         for seq in seqs:
             present = {r: recs[seq] for r, recs in by_rank.items() if seq in recs}
@@ -113,18 +143,38 @@ def _first_divergence(ranks: dict[int, dict], members: dict[str, list[int]]):
             shapes = {repr(rec["shapes"]) for rec in present.values()}
             dtypes = {repr(rec["dtypes"]) for rec in present.values()}
             oldest_known = {r: min(recs) if recs else None for r, recs in by_rank.items()}
-            complete = all(
-                seq in recs or (oldest_known[r] is not None and oldest_known[r] > seq) for r, recs in by_rank.items()
-            )
+            lacking = [
+                r
+                for r, recs in by_rank.items()
+                if seq not in recs and not (oldest_known[r] is not None and oldest_known[r] > seq)
+            ]
+            if lacking and any(status.get(r) != "done" for r in lacking) and len(keys) <= 1:
+                break  # someone has not got here yet: no verdict from this group
+            complete = not lacking
             if len(keys) > 1 or len(shapes) > 1 or len(dtypes) > 1 or not complete:
-                kind = "mismatch" if len(keys) > 1 else ("shapes" if len(shapes) > 1 else ("dtypes" if len(dtypes) > 1 else "missing"))
+                kind = (
+                    "mismatch"
+                    if len(keys) > 1
+                    else (
+                        "shapes"
+                        if len(shapes) > 1
+                        else ("dtypes" if len(dtypes) > 1 else "missing")
+                    )
+                )
                 if best is None or seq < best[1]:
                     best = (group, seq, kind, present)
                 break
     return best
 
 
-def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None, source: str | None = None, first_line: int = 2) -> Diagnosis:
+def diagnose(
+    ranks: dict[int, dict],
+    *,
+    now: float,
+    cell_file: str | None = None,
+    source: str | None = None,
+    first_line: int = 2,
+) -> Diagnosis:
     """``ranks``: rank -> {"status": running|done|error|dead, "snap": agent snapshot or {},
     "exit": how a dead rank ended, "error": (ename, evalue, line) for a rank that raised}."""
     rows = []
@@ -137,18 +187,43 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
             state, op, shapes, where, waiting = f"dead ({info.get('exit', '?')})", "", "", "", ""
         elif status == "error":
             ename, evalue, line = info.get("error", ("Error", "", None))
-            state, op, shapes, where, waiting = f"raised {ename}", "", "", f"line {line}" if line else "", ""
+            state, op, shapes, where, waiting = (
+                f"raised {ename}",
+                "",
+                "",
+                f"line {line}" if line else "",
+                "",
+            )
         elif status == "done":
             state, op, shapes, where, waiting = "finished the cell", "", "", "", ""
         elif coll:
-            state = f"in collective #{coll['seq']}" + ("" if coll["group"] == "default" else f" ({coll['group']})")
-            op, shapes, where = coll["op"], _shape_text(coll["shapes"]), _where(coll.get("where"), cell_file)
+            state = f"in collective #{coll['seq']}" + (
+                "" if coll["group"] == "default" else f" ({coll['group']})"
+            )
+            op, shapes, where = (
+                coll["op"],
+                _shape_text(coll["shapes"]),
+                _where(coll.get("where"), cell_file),
+            )
             waiting = f"{max(0.0, now - coll['t0']):.1f} s"
         else:
             at, _ = _stack_line(snap.get("stack"), cell_file)
-            state = "in backward (DDP/FSDP collectives)" if _in_backward(snap.get("stack")) else "running Python"
+            state = (
+                "in backward (DDP/FSDP collectives)"
+                if _in_backward(snap.get("stack"))
+                else "running Python"
+            )
             op, shapes, where, waiting = "", "", at, ""
-        rows.append({"rank": r, "state": state, "op": op, "shapes": shapes, "where": where, "waiting": waiting})
+        rows.append(
+            {
+                "rank": r,
+                "state": state,
+                "op": op,
+                "shapes": shapes,
+                "where": where,
+                "waiting": waiting,
+            }
+        )
 
     def d(kind, verdict, culprits, line=None):
         return Diagnosis(kind, verdict, sorted(culprits), rows, line)
@@ -163,11 +238,16 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
     waiting_desc = _waiting_phrase(in_coll, snaps, cell_file)
 
     if dead:
+
         def _at(r):
             info = ranks[r]
             at = f" in {info['op']}" if info.get("op") else ""
             if info.get("line"):
-                at += f" at line {info['line']}" if info.get("file") in (None, cell_file) else f" at {info['file']}, line {info['line']}"
+                at += (
+                    f" at line {info['line']}"
+                    if info.get("file") in (None, cell_file)
+                    else f" at {info['file']}, line {info['line']}"
+                )
             return at
 
         how = "; ".join(f"rank {r} {ranks[r].get('exit', 'died')}{_at(r)}" for r in dead)
@@ -179,14 +259,24 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
             )
         tail = f" {waiting_desc}." if waiting_desc else ""
         line = next((ranks[r].get("line") for r in dead if ranks[r].get("line")), None)
-        return d("dead", f"{how}.{tail}{hint} Run %dist_restart (add --replay to re-run your setup cells).", dead, line)
+        return d(
+            "dead",
+            f"{how}.{tail}{hint} Run %dist_restart (add --replay to re-run your setup cells).",
+            dead,
+            line,
+        )
     if raised:
         what = "; ".join(
-            f"rank {r} raised {ranks[r]['error'][0]}" + (f" at line {ranks[r]['error'][2]}" if ranks[r]["error"][2] else "")
+            f"rank {r} raised {ranks[r]['error'][0]}"
+            + (f" at line {ranks[r]['error'][2]}" if ranks[r]["error"][2] else "")
             for r in raised
         )
         tail = f"; {waiting_desc} that will never come" if waiting_desc else ""
-        return d("raised", f"{what}{tail}. Fix the error; the waiting ranks are released and the process group is rebuilt.", raised)
+        return d(
+            "raised",
+            f"{what}{tail}. Fix the error; the waiting ranks are released and the process group is rebuilt.",
+            raised,
+        )
 
     # group membership: default group has every rank
     members: dict[str, list[int]] = {"default": sorted(ranks)}
@@ -195,7 +285,7 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
             if rec["group"] != "default" and rec.get("group_ranks"):
                 members[rec["group"]] = sorted(rec["group_ranks"])
     live = {r: {"snap": snaps[r]} for r in ranks}
-    div = _first_divergence(live, members)
+    div = _first_divergence(live, members, status)
     if div is not None:
         group, seq, kind, present = div
         gname = "" if group == "default" else f" in process group {group}"
@@ -208,14 +298,19 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
                     break
             if kind == "mismatch":
                 calls = "; ".join(
-                    f"rank {r} called {rec['op']} at {_where(rec.get('where'), cell_file)}" for r, rec in sorted(present.items())
+                    f"rank {r} called {rec['op']} at {_where(rec.get('where'), cell_file)}"
+                    for r, rec in sorted(present.items())
                 )
                 base = f"The ranks disagree at collective #{seq}{gname}: {calls}."
             else:
                 missing = [r for r in members[group] if r not in present]
                 rec = next(iter(present.values()))
                 who = ", ".join(map(str, sorted(present)))
-                never = "finished the cell" if all(status.get(r) == "done" for r in missing) else "went on without it"
+                never = (
+                    "finished the cell"
+                    if all(status.get(r) == "done" for r in missing)
+                    else "went on without it"
+                )
                 base = (
                     f"Rank{'s' if len(present) > 1 else ''} {who} called {rec['op']} #{seq}{gname} at "
                     f"{_where(rec.get('where'), cell_file)}, but rank{'s' if len(missing) > 1 else ''} "
@@ -236,16 +331,26 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
             if kind == "missing" and any(_in_backward(snaps[r].get("stack")) for r in running):
                 pass  # handled as uneven data below
             else:
-                culprits = [r for r in members[group] if r not in present] if kind == "missing" else list(present)
+                culprits = (
+                    [r for r in members[group] if r not in present]
+                    if kind == "missing"
+                    else list(present)
+                )
                 fix = (
                     " Every rank must issue the same collectives in the same order."
                     if kind == "mismatch"
                     else " Look for a loop or branch whose length depends on the rank or its data."
                 )
-                return d("mismatch" if kind == "mismatch" else "finished", base + fix, culprits, _line_of(next(iter(present.values())).get("where")))
+                return d(
+                    "mismatch" if kind == "mismatch" else "finished",
+                    base + fix,
+                    culprits,
+                    _line_of(next(iter(present.values())).get("where")),
+                )
         else:
             parts = "; ".join(
-                f"rank {r}: {rec['op']} of {_shape_text(rec['shapes'])} {'/'.join(rec['dtypes'])}" for r, rec in sorted(present.items())
+                f"rank {r}: {rec['op']} of {_shape_text(rec['shapes'])} {'/'.join(rec['dtypes'])}"
+                for r, rec in sorted(present.items())
             )
             rec0 = next(iter(present.values()))
             what = "shapes" if kind == "shapes" else "dtypes"
@@ -257,7 +362,9 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
                 _line_of(rec0.get("where")),
             )
 
-    backward = [r for r in running if not snaps[r].get("collective") and _in_backward(snaps[r].get("stack"))]
+    backward = [
+        r for r in running if not snaps[r].get("collective") and _in_backward(snaps[r].get("stack"))
+    ]
     if backward and (done or in_coll):
         others = done + in_coll
         at = _stack_line(snaps[backward[0]].get("stack"), cell_file)[0]
@@ -271,9 +378,15 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
             "smallest rank's length), or run the loop under ddp.join().",
             sorted(others),
         )
-    busy = [r for r in running if not snaps[r].get("collective") and not _in_backward(snaps[r].get("stack"))]
+    busy = [
+        r
+        for r in running
+        if not snaps[r].get("collective") and not _in_backward(snaps[r].get("stack"))
+    ]
     if in_coll and busy:
-        where = "; ".join(f"rank {r} at {_stack_line(snaps[r].get('stack'), cell_file)[0]}" for r in busy)
+        where = "; ".join(
+            f"rank {r} at {_stack_line(snaps[r].get('stack'), cell_file)[0]}" for r in busy
+        )
         return d(
             "busy",
             f"Rank{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} {'are' if len(busy) > 1 else 'is'} busy in Python, "
@@ -298,7 +411,11 @@ def diagnose(ranks: dict[int, dict], *, now: float, cell_file: str | None = None
             [],
         )
     if busy:
-        return d("python", "No rank is in a collective; all are running Python. This is slow code or a loop, not a distributed hang.", [])
+        return d(
+            "python",
+            "No rank is in a collective; all are running Python. This is slow code or a loop, not a distributed hang.",
+            [],
+        )
     return d("none", "Nothing is stuck.", [])
 
 
@@ -309,7 +426,9 @@ def _waiting_phrase(in_coll: list[int], snaps: dict[int, dict], cell_file: str |
     by_call: dict[tuple, list[int]] = {}
     for r in in_coll:
         rec = snaps[r]["collective"]
-        by_call.setdefault((rec["op"], rec["seq"], _where(rec.get("where"), cell_file)), []).append(r)
+        by_call.setdefault((rec["op"], rec["seq"], _where(rec.get("where"), cell_file)), []).append(
+            r
+        )
     for (op, seq, where), rs in by_call.items():
         who = f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
         parts.append(f"{who} wait{'' if len(rs) > 1 else 's'} in {op} #{seq} at {where}")
@@ -330,7 +449,9 @@ def format_stacks(snaps: dict[int, dict], cell_file: str | None = None) -> str:
         if not stack:
             out.append("  (no stack reported)")
         for f in stack:
-            where = f"line {f['line']}" if f["file"] == cell_file else f"{f['file']}, line {f['line']}"
+            where = (
+                f"line {f['line']}" if f["file"] == cell_file else f"{f['file']}, line {f['line']}"
+            )
             out.append(f"  {where}, in {f['func']}")
             if f.get("code"):
                 out.append(f"    {f['code']}")

@@ -37,9 +37,17 @@ class CellSyntaxError(NotebookDistError):
     pointing into notebook_dist instead of the cell.
     """
 
-    def __init__(self, msg: str, filename: str, lineno: int | None, offset: int | None, text: str | None):
+    def __init__(
+        self, msg: str, filename: str, lineno: int | None, offset: int | None, text: str | None
+    ):
         super().__init__(f"{msg} ({filename}, line {lineno})")
-        self.msg, self.filename, self.lineno, self.offset, self.text = msg, filename, lineno, offset, text
+        self.msg, self.filename, self.lineno, self.offset, self.text = (
+            msg,
+            filename,
+            lineno,
+            offset,
+            text,
+        )
 
     def _render_traceback_(self) -> list[str]:
         out = [f'  File "{self.filename}", line {self.lineno}']
@@ -71,7 +79,9 @@ class RankError(NotebookDistError, RuntimeError):
     def _render_traceback_(self) -> list[str]:
         lines: list[str] = []
         for rank, err in self.errors.items():
-            lines.extend(f"[rank {rank}] {line}" for line in err.traceback.rstrip("\n").splitlines())
+            lines.extend(
+                f"[rank {rank}] {line}" for line in err.traceback.rstrip("\n").splitlines()
+            )
             lines.append("")
         lines.append(f"RankError: {self}")
         return lines

@@ -63,7 +63,9 @@ class OutputStreamer:
     are written at once, a partial line waits for its end (or for the cell's end).
     """
 
-    def __init__(self, sources: list[tuple[int, dict]], out: TextIO | None = None, err: TextIO | None = None):
+    def __init__(
+        self, sources: list[tuple[int, dict]], out: TextIO | None = None, err: TextIO | None = None
+    ):
         self.sources = sources  # (rank, ipyparallel metadata dict of that rank's message)
         self.out = out
         self.err = err

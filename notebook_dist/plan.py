@@ -40,7 +40,9 @@ class ClusterPlan:
         return self.ranks[0].device.startswith("cuda")
 
 
-def visible_gpus(environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus") -> list[str]:
+def visible_gpus(
+    environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus"
+) -> list[str]:
     """IDs of the NVIDIA GPUs this process may use, without importing torch.
 
     Honours ``CUDA_VISIBLE_DEVICES`` the way CUDA does: a list of ids (or UUIDs),
@@ -172,7 +174,9 @@ def plan_cluster(
         cvd = ",".join(use[: min(per_host, len(use))])
     num_nodes = len(set(hosts))
     ranks = []
-    for rank, (device, (local_rank, local_world_size, group_rank)) in enumerate(zip(devices, local)):
+    for rank, (device, (local_rank, local_world_size, group_rank)) in enumerate(
+        zip(devices, local)
+    ):
         env = {
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),

@@ -63,7 +63,13 @@ def _reduce_tensor(torch, t):
     dtype_name = str(data.dtype).removeprefix("torch.")
     return (
         _rebuild_tensor,
-        (pickle.PickleBuffer(arr), dtype_name, tuple(data.shape), bool(t.requires_grad), isinstance(t, torch.nn.Parameter)),
+        (
+            pickle.PickleBuffer(arr),
+            dtype_name,
+            tuple(data.shape),
+            bool(t.requires_grad),
+            isinstance(t, torch.nn.Parameter),
+        ),
     )
 
 

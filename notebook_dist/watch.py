@@ -12,8 +12,9 @@ snapshot of every rank, notes which ranks finished (and how), and decides:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from .doctor import Diagnosis, diagnose
 from .execute import OutputStreamer, PreparedCell
@@ -67,6 +68,7 @@ class CellWatch:
         self.abandoned = False  # stop waiting: a rank died and the others do not stop
         #: the ranks' snapshots when the hang was shown or the cell interrupted
         self.frozen: dict[int, dict] | None = None
+        self.token = ""  # the cell's id on the ranks: releases name it
 
     # ---- state ----------------------------------------------------------------------
 
@@ -86,9 +88,23 @@ class CellWatch:
                     try:
                         v.result = unpack(fut.result())
                         v.status = "error" if v.result["status"] == "error" else "done"
+                        # the rank's final record, even if it finished before its agent reported
+                        v.snap = dict(
+                            v.snap,
+                            collective=None,
+                            history=v.result.get("history", []),
+                            collectives_done=v.result.get("collectives"),
+                        )
                     except Exception as exc:  # engine-level failure
                         v.status = "error"
-                        v.result = {"status": "error", "error": {"ename": type(exc).__name__, "evalue": str(exc), "traceback": str(exc)}}
+                        v.result = {
+                            "status": "error",
+                            "error": {
+                                "ename": type(exc).__name__,
+                                "evalue": str(exc),
+                                "traceback": str(exc),
+                            },
+                        }
             fp = (
                 v.status,
                 v.snap.get("collectives_done"),
@@ -121,14 +137,21 @@ class CellWatch:
                 info.update(self.cluster.fault_report(r))
             if v.status == "error" and v.result:
                 e = v.result["error"]
-                info["error"] = (e["ename"], e["evalue"], _error_line(e.get("traceback", ""), self.prepared.filename))
+                info["error"] = (
+                    e["ename"],
+                    e["evalue"],
+                    _error_line(e.get("traceback", ""), self.prepared.filename),
+                )
             out[r] = info
         return out
 
     def diagnose(self) -> Diagnosis:
         self.diagnosis = diagnose(
-            self.doctor_input(), now=time.time(), cell_file=self.prepared.filename,
-            source=self.prepared.source, first_line=self.prepared.first_line,
+            self.doctor_input(),
+            now=time.time(),
+            cell_file=self.prepared.filename,
+            source=self.prepared.source,
+            first_line=self.prepared.first_line,
         )
         return self.diagnosis
 
@@ -143,7 +166,9 @@ class CellWatch:
         self.shown_verdict = diag.verdict
         stream = self.streamer._stream("stdout")
         waited = time.monotonic() - self.last_progress
-        stream.write(f"\nnotebook_dist: no rank has made progress for {waited:.0f} s (the cell keeps running; interrupt to stop it)\n")
+        stream.write(
+            f"\nnotebook_dist: no rank has made progress for {waited:.0f} s (the cell keeps running; interrupt to stop it)\n"
+        )
         stream.write(diag.text() + "\n\n")
         stream.flush()
 
@@ -166,7 +191,10 @@ class CellWatch:
         if any(self.views[r].status == "dead" for r in failed):
             # the cell cannot succeed without the dead rank: stop the others too
             waited = now - self.error_since
-            if waited >= self.cluster.config.release_after_error_s and not self.interrupted_for_death:
+            if (
+                waited >= self.cluster.config.release_after_error_s
+                and not self.interrupted_for_death
+            ):
                 self.interrupted_for_death = True
                 self.cluster.interrupt(running)
             if waited >= self.cluster.config.release_after_error_s + 5.0:
@@ -176,7 +204,7 @@ class CellWatch:
         for r in ranks:
             self.released.add(r)
             self.views[r].released = True
-        self.cluster.release_collectives(ranks)
+        self.cluster.release_collectives(ranks, self.token)
 
     def finish(self) -> None:
         self.streamer.finish()
@@ -238,7 +266,9 @@ class CellWatch:
         try:
             took = self.cluster.rebuild_process_group()
         except ClusterError as exc:
-            stream.write(f"notebook_dist: the process group could not be rebuilt ({exc}); run %dist_restart.\n")
+            stream.write(
+                f"notebook_dist: the process group could not be rebuilt ({exc}); run %dist_restart.\n"
+            )
             return
         who = ", ".join(map(str, sorted(self.released)))
         stream.write(
@@ -257,7 +287,7 @@ def _error_line(traceback_text: str, filename: str) -> int | None:
         part = part.strip()
         if part.startswith(marker):
             try:
-                line = int(part[len(marker):].split(",", 1)[0])
+                line = int(part[len(marker) :].split(",", 1)[0])
             except ValueError:
                 pass
     return line

@@ -47,10 +47,14 @@ def test_ddp_20_steps_matches_single_process(live, run):
     assert states.ranks == [0, 1]
     for name, value in ref.items():
         assert torch.equal(states[0][name], states[1][name]), f"{name} differs between ranks"
-        assert torch.allclose(states[0][name], value, atol=1e-6), f"{name} differs from one-process training"
+        assert torch.allclose(states[0][name], value, atol=1e-6), (
+            f"{name} differs from one-process training"
+        )
     # and training did move the weights (a test that cannot fail would not notice)
     torch.manual_seed(0)
-    init = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).state_dict()
+    init = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+    ).state_dict()
     assert not torch.allclose(init["0.weight"], states[0]["0.weight"])
 
 
@@ -67,7 +71,9 @@ class _Stamped(io.StringIO):
 def test_output_arrives_while_the_cell_runs(live):
     out = _Stamped()
     t0 = time.monotonic()
-    result = live.run("import time\nprint('early', flush=True)\ntime.sleep(3)\nprint('late')", out=out)
+    result = live.run(
+        "import time\nprint('early', flush=True)\ntime.sleep(3)\nprint('late')", out=out
+    )
     t_end = time.monotonic()
     assert not result.errors
     early = [t for t, s in out.stamps if "early" in s]

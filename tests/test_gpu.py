@@ -6,7 +6,9 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the NCCL path cannot run on CPU"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU: the NCCL path cannot run on CPU"
+    ),
 ]
 
 
@@ -16,7 +18,9 @@ def test_nccl_one_rank_per_gpu_all_reduce():
     n = torch.cuda.device_count()
     with DistCluster() as cluster:
         assert cluster.backend == "nccl" and cluster.world_size == n
-        r = cluster.run("t = torch.ones(4, device=nd.device) * (nd.rank + 1)\ndist.all_reduce(t)\n(t, t.device.index, str(nd.device))")
+        r = cluster.run(
+            "t = torch.ones(4, device=nd.device) * (nd.rank + 1)\ndist.all_reduce(t)\n(t, t.device.index, str(nd.device))"
+        )
         r.raise_for_errors()
         for rank, (t, index, device) in r.values.items():
             assert t.device.type == "cpu"  # values arrive on the CPU
@@ -31,4 +35,6 @@ def test_two_ranks_sharing_one_gpu_use_gloo_with_cuda_tensors():
         assert cluster.backend == "gloo"
         r = cluster.run("t = torch.ones(2, device=nd.device)\ndist.all_reduce(t)\nt")
         r.raise_for_errors()
-        assert all(torch.equal(v, torch.full((2,), float(cluster.world_size))) for v in r.values.values())
+        assert all(
+            torch.equal(v, torch.full((2,), float(cluster.world_size))) for v in r.values.values()
+        )

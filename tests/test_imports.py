@@ -7,14 +7,20 @@ import sys
 def _imported(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys\nprint('\\n'.join(sys.modules))"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return set(out.split())
 
 
 def test_rank_side_imports_no_display_code():
-    mods = _imported("import notebook_dist.runtime.cell, notebook_dist.runtime.bootstrap, notebook_dist.runtime.engine")
-    assert not {m for m in mods if m.startswith(("ipywidgets", "IPython.display", "IPython.core.display"))}
+    mods = _imported(
+        "import notebook_dist.runtime.cell, notebook_dist.runtime.bootstrap, notebook_dist.runtime.engine"
+    )
+    assert not {
+        m for m in mods if m.startswith(("ipywidgets", "IPython.display", "IPython.core.display"))
+    }
     assert "notebook_dist.magics" not in mods
 
 

@@ -33,7 +33,9 @@ def _kernel_with_cluster(tmp_path):
     reply = kc.execute_interactive("%load_ext notebook_dist\n%dist_init -n 2", timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
     lines = []
-    kc.execute_interactive(PIDS_CODE, timeout=30, output_hook=lambda m: lines.append(m["content"].get("text", "")))
+    kc.execute_interactive(
+        PIDS_CODE, timeout=30, output_hook=lambda m: lines.append(m["content"].get("text", ""))
+    )
     pids = [int(p) for p in "".join(lines).split("PIDS", 1)[1].split()]
     assert len(pids) == 4 and pids_alive(pids) == pids
     return km, kc, pids
@@ -70,7 +72,10 @@ def test_shutdown_and_dead_rank_report():
     from notebook_dist.errors import ClusterError
 
     cluster = DistCluster(n=2).start()
-    pids = [r.pid for r in cluster.ranks] + [cluster._cluster.controller.pid, cluster._reaper.proc.pid]
+    pids = [r.pid for r in cluster.ranks] + [
+        cluster._cluster.controller.pid,
+        cluster._reaper.proc.pid,
+    ]
     try:
         os.kill(cluster.ranks[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -79,7 +84,10 @@ def test_shutdown_and_dead_rank_report():
         assert cluster.dead_ranks() == {1: "was killed by SIGKILL"}
         with pytest.raises(ClusterError) as info:
             cluster.run("1 + 1")
-        assert str(info.value) == "rank 1 was killed by SIGKILL. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
+        assert (
+            str(info.value)
+            == "rank 1 was killed by SIGKILL. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
+        )
         rows = cluster.status()
         assert rows[1]["state"] == "dead (was killed by SIGKILL)" and rows[0]["state"] == "idle"
     finally:
@@ -96,6 +104,9 @@ def test_rank_dying_during_a_cell_ends_the_cell():
         with pytest.raises(ClusterError) as info:
             cluster.run("import os, time\nif nd.rank == 1:\n    os._exit(7)\ntime.sleep(60)")
         assert time.monotonic() - t0 < 10
-        assert str(info.value) == "rank 1 exited with code 7. Run %dist_restart (add --replay to re-run your setup cells)."
+        assert (
+            str(info.value)
+            == "rank 1 exited with code 7. Run %dist_restart (add --replay to re-run your setup cells)."
+        )
         pids = [r.pid for r in cluster.ranks]
     assert _wait_gone(pids, 5.0) == []

@@ -25,12 +25,20 @@ def test_torchrun_environment_and_helpers(live, run):
     )
     assert out.error is None, out.output
     for rank, value in out.result.result.items():
-        env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+        }
         assert value == (True, rank, 2, rank, "cpu", rank == 0, env, True)
 
 
 def test_second_init_process_group_is_harmless(live, run):
-    out = run('%%distributed\nimport torch.distributed as dist\ndist.init_process_group("gloo")\ndist.get_world_size()')
+    out = run(
+        '%%distributed\nimport torch.distributed as dist\ndist.init_process_group("gloo")\ndist.get_world_size()'
+    )
     assert out.error is None, out.output
     assert dict(out.result.result) == {0: 2, 1: 2}
     assert (
@@ -57,7 +65,9 @@ def test_output_streams_tagged_by_rank_with_nothing_dropped(live, run):
 
 
 def test_exception_on_one_rank_points_at_cell_lines(live, run):
-    out = run("%%distributed\nx = 1\nif dist.get_rank() == 1:\n    raise ValueError('rank one is unhappy')\nprint('done', nd.rank)")
+    out = run(
+        "%%distributed\nx = 1\nif dist.get_rank() == 1:\n    raise ValueError('rank one is unhappy')\nprint('done', nd.rank)"
+    )
     err = out.error
     assert type(err).__name__ == "RankError"
     assert str(err) == "rank 1 raised ValueError: rank one is unhappy"
@@ -70,14 +80,20 @@ def test_exception_on_one_rank_points_at_cell_lines(live, run):
     assert "exec" not in err.errors[1].traceback and "run_cell" not in err.errors[1].traceback
     assert "[rank 0] done 0" in out.stdout  # other ranks' output is still shown
     rendered = "\n".join(err._render_traceback_())
-    assert rendered.count("ValueError: rank one is unhappy") == 2  # the traceback's last line, and the summary
+    assert (
+        rendered.count("ValueError: rank one is unhappy") == 2
+    )  # the traceback's last line, and the summary
     assert "[rank 1] ValueError: rank one is unhappy" in rendered
 
 
 def test_exception_in_a_function_keeps_the_call_chain(live, run):
     out = run("%%distributed\ndef f(v):\n    return 1 / v\n\nf(nd.rank - 1) if nd.rank == 1 else 0")
     tb = out.error.errors[1].traceback
-    assert "line 5, in <module>" in tb and "line 3, in f" in tb and tb.endswith("ZeroDivisionError: division by zero\n")
+    assert (
+        "line 5, in <module>" in tb
+        and "line 3, in f" in tb
+        and tb.endswith("ZeroDivisionError: division by zero\n")
+    )
 
 
 def test_syntax_error_is_reported_once_before_anything_runs(live, run):
@@ -107,7 +123,10 @@ def test_unpicklable_value(live, run):
 def test_bad_ranks_spec(live, run):
     out = run("%%distributed --ranks 0-x\n1")
     assert type(out.error).__name__ == "UsageError"
-    assert str(out.error) == "bad rank specification '0-x': use 'all', a rank like '0', a list like '0,2' or a range like '1-3'"
+    assert (
+        str(out.error)
+        == "bad rank specification '0-x': use 'all', a rank like '0', a list like '0,2' or a range like '1-3'"
+    )
 
 
 def test_rank_magic_out_of_range(live, run):
@@ -134,7 +153,9 @@ def test_gather_binds_rank_values(live, run, ip):
 
 
 def test_push_and_pull_functions_classes_and_tensors(live, run, ip):
-    run("import torch\ndef scale(v):\n    return v * 3\nclass Box:\n    def __init__(self, v):\n        self.v = v\nw = torch.ones(4)")
+    run(
+        "import torch\ndef scale(v):\n    return v * 3\nclass Box:\n    def __init__(self, v):\n        self.v = v\nw = torch.ones(4)"
+    )
     out = run("%dist_push scale Box w")
     assert out.error is None, out.output
     out = run("%%distributed\nbox = Box(scale(w) + nd.rank)\nres = box.v.sum().item()")
@@ -158,7 +179,10 @@ def test_push_of_an_unpicklable_value(live, run):
     run("import threading\nlk = threading.Lock()")
     out = run("%dist_push lk")
     assert type(out.error).__name__ == "TransferError"
-    assert str(out.error) == "'lk' on the notebook: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"
+    assert (
+        str(out.error)
+        == "'lk' on the notebook: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"
+    )
     out = run("%dist_push undefined_in_notebook")
     assert type(out.error).__name__ == "UsageError"
     assert str(out.error) == "not defined in the notebook: undefined_in_notebook"
@@ -167,7 +191,10 @@ def test_push_of_an_unpicklable_value(live, run):
 def test_pull_of_an_unpicklable_value(live, run):
     run("%%distributed\nimport threading\nlock = threading.Lock()")
     out = run("%dist_pull lock --ranks 1")
-    assert str(out.error) == "'lock' on rank 1: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"
+    assert (
+        str(out.error)
+        == "'lock' on rank 1: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"
+    )
 
 
 def test_autodist_and_local(live, run, ip):
@@ -180,7 +207,7 @@ def test_autodist_and_local(live, run, ip):
         assert out.error is None and out.result.result == 42
         assert ip.user_ns["kernel_side"] == 42
         out = run("x = 1\nraise KeyError('k')")  # line numbers: no magic line is shown, so line 2
-        assert 'line 2, in <module>' in out.error.errors[0].traceback
+        assert "line 2, in <module>" in out.error.errors[0].traceback
     finally:
         assert run("%autodist off").error is None
     out = run("plain = 5\nplain")
@@ -192,10 +219,22 @@ def test_status_and_reuse(live, run):
     assert out.error is None, out.output
     lines = out.stdout.splitlines()
     assert lines[0] == "2 ranks, backend gloo"
-    assert lines[1].split() == ["rank", "host", "pid", "device", "backend", "state", "process_group"]
+    assert lines[1].split() == [
+        "rank",
+        "host",
+        "pid",
+        "device",
+        "backend",
+        "state",
+        "process_group",
+    ]
     for rank, line in enumerate(lines[2:4]):
         cols = line.split()
-        assert cols[0] == str(rank) and cols[2] == str(live.ranks[rank].pid) and cols[3:] == ["cpu", "gloo", "idle", "ok"]
+        assert (
+            cols[0] == str(rank)
+            and cols[2] == str(live.ranks[rank].pid)
+            and cols[3:] == ["cpu", "gloo", "idle", "ok"]
+        )
     out = run("%dist_init -n 2 --backend gloo")
     assert out.stdout.strip() == "notebook_dist: reusing the running cluster (2 ranks, gloo)."
 
@@ -203,7 +242,9 @@ def test_status_and_reuse(live, run):
 def test_preflight_errors_before_anything_starts(live, run):
     out = run("%dist_init --backend nccl")
     assert type(out.error).__name__ == "UsageError"
-    assert str(out.error).startswith("NCCL needs one GPU per rank, and no GPU is visible to this notebook.")
+    assert str(out.error).startswith(
+        "NCCL needs one GPU per rank, and no GPU is visible to this notebook."
+    )
     out = run("%dist_init --gpus 0")
     assert str(out.error) == "--gpus '0' asked, but no GPU is visible to this notebook"
     out = run("%dist_init -n two")

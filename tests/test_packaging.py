@@ -30,8 +30,12 @@ def _venv(tmp_path: Path) -> Path:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     # the new venv's own site-packages comes first; ours (deps only) after it
     deps = [p for p in site.getsitepackages() if "site-packages" in p]
     Path(purelib, "zz_deps.pth").write_text("\n".join(deps) + "\n")
@@ -43,11 +47,25 @@ def test_load_ext_after_install(tmp_path, editable):
     py = _venv(tmp_path)
     target = ["-e", str(REPO)] if editable else [str(REPO)]
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-build-isolation", *target],
-        check=True, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            *target,
+        ],
+        check=True,
+        cwd=tmp_path,
     )
     env = {"PATH": "/usr/bin:/bin", "IPYTHONDIR": str(tmp_path / "ipy"), "HOME": str(tmp_path)}
-    out = subprocess.run([str(py), "-c", CHECK], capture_output=True, text=True, cwd=tmp_path, env=env)
+    out = subprocess.run(
+        [str(py), "-c", CHECK], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
     assert out.returncode == 0, out.stderr
     where = out.stdout.split("MAGICS_FROM", 1)[1].strip()
     if editable:

@@ -16,7 +16,17 @@ def test_no_gpu_defaults_to_two_gloo_ranks_on_cpu():
 def test_torchrun_environment():
     plan = plan_cluster(3, gpu_ids=[], master_port=29411)
     env = plan.ranks[2].env
-    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == {
+    assert {
+        k: env[k]
+        for k in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    } == {
         "RANK": "2",
         "WORLD_SIZE": "3",
         "LOCAL_RANK": "2",
@@ -66,14 +76,26 @@ def test_gloo_on_gpus_when_asked():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(backend="nccl", gpu_ids=[]), "NCCL needs one GPU per rank, and no GPU is visible to this notebook. Use --backend gloo"),
-        (dict(n=4, backend="nccl", gpu_ids=["0", "1"]), "NCCL needs one GPU per rank: 4 ranks asked on one host, 2 GPU(s) available. Use -n 2, or --backend gloo"),
+        (
+            dict(backend="nccl", gpu_ids=[]),
+            "NCCL needs one GPU per rank, and no GPU is visible to this notebook. Use --backend gloo",
+        ),
+        (
+            dict(n=4, backend="nccl", gpu_ids=["0", "1"]),
+            "NCCL needs one GPU per rank: 4 ranks asked on one host, 2 GPU(s) available. Use -n 2, or --backend gloo",
+        ),
         (dict(backend="mpi", gpu_ids=[]), "unknown backend 'mpi': use one of auto, gloo, nccl"),
-        (dict(gpus="0,5", gpu_ids=["0", "1"]), "--gpus names GPU 5, but only 2 GPU(s) are visible (indices 0-1)"),
+        (
+            dict(gpus="0,5", gpu_ids=["0", "1"]),
+            "--gpus names GPU 5, but only 2 GPU(s) are visible (indices 0-1)",
+        ),
         (dict(gpus="0,0", gpu_ids=["0", "1"]), "lists a GPU twice"),
         (dict(gpus="a,b", gpu_ids=["0", "1"]), "bad --gpus 'a,b': give GPU indices like '0,1'"),
         (dict(gpus="0", gpu_ids=[]), "--gpus '0' asked, but no GPU is visible"),
-        (dict(n=3, gpus="0,1", gpu_ids=["0", "1"]), "-n 3 asks for 3 ranks but --gpus lists 2 GPUs"),
+        (
+            dict(n=3, gpus="0,1", gpu_ids=["0", "1"]),
+            "-n 3 asks for 3 ranks but --gpus lists 2 GPUs",
+        ),
         (dict(n=0, gpu_ids=[]), "-n 0: a cluster needs at least one rank"),
     ],
 )
@@ -94,7 +116,13 @@ def test_visible_gpus_reads_the_driver_and_cuda_visible_devices(tmp_path):
 
 
 def test_local_ranks_group_by_host_in_first_seen_order():
-    assert assign_local_ranks(["a", "a", "b", "b", "a"]) == [(0, 3, 0), (1, 3, 0), (0, 2, 1), (1, 2, 1), (2, 3, 0)]
+    assert assign_local_ranks(["a", "a", "b", "b", "a"]) == [
+        (0, 3, 0),
+        (1, 3, 0),
+        (0, 2, 1),
+        (1, 2, 1),
+        (2, 3, 0),
+    ]
     plan = plan_cluster(4, gpu_ids=["0", "1"], hosts=["a", "a", "b", "b"])
     assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert plan.backend == "nccl"

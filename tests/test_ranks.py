@@ -29,7 +29,11 @@ def test_valid_specs(spec, world, want):
         ("5", 2, "rank 5 not in this cluster: it has 2 ranks (ranks 0-1)"),
         ("0,7-8", 4, "ranks 7, 8 not in this cluster: it has 4 ranks (ranks 0-3)"),
         ("1", 1, "rank 1 not in this cluster: it has 1 rank (rank 0)"),
-        ("x", 2, "bad rank specification 'x': use 'all', a rank like '0', a list like '0,2' or a range like '1-3'"),
+        (
+            "x",
+            2,
+            "bad rank specification 'x': use 'all', a rank like '0', a list like '0,2' or a range like '1-3'",
+        ),
         ("3-1", 4, "bad rank range '3-1': the start is after the end"),
         ("0,,1", 2, "bad rank specification '0,,1': empty item"),
         ("", 2, "empty rank specification"),

@@ -8,8 +8,18 @@ from notebook_dist.errors import TransferError
 from notebook_dist.values import RankValues, pack, pack_named, unpack
 
 DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 ]
 
 
@@ -66,7 +76,11 @@ def test_received_tensor_is_writable_and_independent():
 
 def test_nested_containers_and_grad_and_parameters():
     p = torch.nn.Parameter(torch.randn(3))
-    obj = {"a": [torch.ones(2), (torch.zeros(1, dtype=torch.bfloat16), np.arange(4))], "p": p, "g": torch.randn(2, requires_grad=True)}
+    obj = {
+        "a": [torch.ones(2), (torch.zeros(1, dtype=torch.bfloat16), np.arange(4))],
+        "p": p,
+        "g": torch.randn(2, requires_grad=True),
+    }
     back = unpack(pack(obj))
     assert torch.equal(back["a"][0], torch.ones(2))
     assert back["a"][1][0].dtype == torch.bfloat16
@@ -98,7 +112,9 @@ def test_unpicklable_names_the_variable():
 
     with pytest.raises(TransferError) as info:
         pack_named("lock", threading.Lock(), "the notebook")
-    assert str(info.value).startswith("'lock' on the notebook: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)")
+    assert str(info.value).startswith(
+        "'lock' on the notebook: a _thread.lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"
+    )
 
 
 def test_rank_values_mapping():
@@ -119,4 +135,8 @@ def test_rank_values_pretty_one_row_per_rank():
     from IPython.lib.pretty import pretty
 
     text = pretty(RankValues({0: torch.zeros(2), 1: torch.ones(2)}))
-    assert text.splitlines() == ["RankValues (2 ranks)", "[rank 0] tensor([0., 0.])", "[rank 1] tensor([1., 1.])"]
+    assert text.splitlines() == [
+        "RankValues (2 ranks)",
+        "[rank 0] tensor([0., 0.])",
+        "[rank 1] tensor([1., 1.])",
+    ]

@@ -100,6 +100,13 @@ class Agent(threading.Thread):
         except OSError:
             return 0.0
 
+    def _requested_token(self) -> str | None:
+        try:
+            with open(self.control_file) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
     def run(self) -> None:
         from .recover import abort_collectives
 
@@ -108,7 +115,13 @@ class Agent(threading.Thread):
                 mtime = self._mtime()
                 if mtime != self._control_mtime:
                     self._control_mtime = mtime
-                    STATE.extras["released"] = abort_collectives()
+                    # only for the cell it names, and only while that cell runs: a late
+                    # request must never close the connections of a rebuilt group
+                    if (
+                        STATE.cell_state == "running"
+                        and self._requested_token() == STATE.cell_token
+                    ):
+                        STATE.extras["released"] = abort_collectives()
                 now = time.monotonic()
                 if STATE.cell_state == "running" and now - self._last_publish >= self.interval:
                     self._last_publish = now

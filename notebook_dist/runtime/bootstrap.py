@@ -71,8 +71,13 @@ def original_init_process_group():
 
 
 def bootstrap(
-    env: dict[str, str], device: str, backend: str, timeout_s: float, overrides: dict[str, str],
-    control_file: str | None = None, publish_interval: float = 0.5,
+    env: dict[str, str],
+    device: str,
+    backend: str,
+    timeout_s: float,
+    overrides: dict[str, str],
+    control_file: str | None = None,
+    publish_interval: float = 0.5,
 ) -> dict:
     """Set torchrun's environment, pin the device, and initialise the default group.
 

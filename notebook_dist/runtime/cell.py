@@ -42,7 +42,15 @@ def _error(exc: BaseException, filename: str) -> dict:
     }
 
 
-def run_cell(code: str, filename: str, source: str, first_line: int, gather: list[str], want_value: bool) -> list:
+def run_cell(
+    code: str,
+    filename: str,
+    source: str,
+    first_line: int,
+    gather: list[str],
+    want_value: bool,
+    token: str = "",
+) -> list:
     """Execute ``code`` in the rank's namespace; return ``pack(result)``.
 
     ``source`` is the cell as the notebook shows it (for tracebacks) and ``first_line``
@@ -56,7 +64,7 @@ def run_cell(code: str, filename: str, source: str, first_line: int, gather: lis
     _register_source(filename, source)
     result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
     TRACKER.reset_cell()
-    STATE.reset_cell(time.time())
+    STATE.reset_cell(time.time(), token)
     try:
         tree = ast.parse(code, filename=filename)
         ast.increment_lineno(tree, first_line - 1)
@@ -79,6 +87,7 @@ def run_cell(code: str, filename: str, source: str, first_line: int, gather: lis
         sys.stderr.flush()
     result["collectives"] = TRACKER.count
     result["wait_s"] = TRACKER.wait_s
+    result["history"] = [dict(r) for r in list(TRACKER.history)[-8:]]
     gathered, missing = {}, []
     for name in gather:
         if name in ns:
@@ -109,7 +118,11 @@ def run_cell(code: str, filename: str, source: str, first_line: int, gather: lis
     if result["status"] == "ok":
         result["status"] = "error"
         msg = "cannot send to the notebook: " + "; ".join(problems)
-        result["error"] = {"ename": "TransferError", "evalue": msg, "traceback": f"TransferError: {msg}\n"}
+        result["error"] = {
+            "ename": "TransferError",
+            "evalue": msg,
+            "traceback": f"TransferError: {msg}\n",
+        }
     return pack(result)
 
 

@@ -42,7 +42,11 @@ def _tcp_table() -> dict[int, tuple[int, int, str]]:
                 for line in f:
                     parts = line.split()
                     local, remote, state, inode = parts[1], parts[2], parts[3], int(parts[9])
-                    table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16), state)
+                    table[inode] = (
+                        int(local.rsplit(":", 1)[1], 16),
+                        int(remote.rsplit(":", 1)[1], 16),
+                        state,
+                    )
         except OSError:
             continue
     return table
@@ -102,7 +106,10 @@ def reinit(master_port: int) -> dict:
     os.environ["MASTER_PORT"] = str(master_port)
     remember_preexisting_sockets()
     kwargs = dict(
-        backend=STATE.backend, init_method="env://", rank=STATE.rank, world_size=STATE.world_size,
+        backend=STATE.backend,
+        init_method="env://",
+        rank=STATE.rank,
+        world_size=STATE.world_size,
         timeout=timedelta(seconds=STATE.timeout_s or 300),
     )
     if STATE.backend == "nccl":

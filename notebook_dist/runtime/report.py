@@ -24,7 +24,9 @@ def report(**metrics: Any) -> None:
     STATE.metrics["step"] = step
     STATE.metrics["_time"] = time.time()
     if "samples" in metrics:
-        STATE.metrics["_samples_total"] = STATE.metrics.get("_samples_total", 0) + metrics["samples"]
+        STATE.metrics["_samples_total"] = (
+            STATE.metrics.get("_samples_total", 0) + metrics["samples"]
+        )
     for key, value in metrics.items():
         if key in ("step", "total", "samples") or not isinstance(value, numbers.Real):
             continue

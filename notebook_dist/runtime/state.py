@@ -21,13 +21,15 @@ class RankState:
     #: "idle", "running", "done" or "error": what the current/last cell is doing here
     cell_state: str = "idle"
     cell_started: float = 0.0
+    cell_token: str = ""
     #: latest values from nd.report(), and a bounded history of each numeric one
     metrics: dict[str, Any] = field(default_factory=dict)
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     reports: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def reset_cell(self, started: float) -> None:
+    def reset_cell(self, started: float, token: str = "") -> None:
+        self.cell_token = token
         self.cell_state = "running"
         self.cell_started = started
         self.metrics = {}

@@ -18,10 +18,28 @@ from typing import Any
 CELL_PREFIX = "Cell In["
 
 COLLECTIVES = (
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
-    "monitored_barrier", "send", "recv", "isend", "irecv", "reduce", "gather", "scatter",
-    "broadcast_object_list", "gather_object", "scatter_object_list", "batch_isend_irecv",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "reduce",
+    "gather",
+    "scatter",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "batch_isend_irecv",
 )
 
 
@@ -37,6 +55,9 @@ class Tracker:
         self.count = 0
 
     def reset_cell(self) -> None:
+        # numbered per cell: "collective #3" is the cell's third, on every rank alike,
+        # even when an earlier cell was interrupted with the ranks at different counts
+        self.seq.clear()
         self.history.clear()
         self.wait_s = 0.0
         self.count = 0
@@ -99,8 +120,16 @@ def _wrap(op: str, fn):
         if op in ("all_gather", "all_to_all") and len(args) > 1:
             s2, d2 = _describe(args[1])
             shapes, dtypes = shapes + s2, dtypes + d2
-        rec = {"seq": seq, "op": op, "group": group, "group_ranks": group_ranks, "shapes": shapes,
-               "dtypes": dtypes, "where": cell_line(), "t0": time.time()}
+        rec = {
+            "seq": seq,
+            "op": op,
+            "group": group,
+            "group_ranks": group_ranks,
+            "shapes": shapes,
+            "dtypes": dtypes,
+            "where": cell_line(),
+            "t0": time.time(),
+        }
         t.current = rec
         t.depth = 1
         try:

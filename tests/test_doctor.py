@@ -1,0 +1,243 @@
+"""The doctor on real hangs: one test per class, verdict within hang-after + 5 s."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import torch
+
+from notebook_dist import DistCluster
+from notebook_dist.errors import ClusterError
+
+pytestmark = pytest.mark.slow
+
+HANG_AFTER = 3.0
+
+
+@pytest.fixture(scope="module")
+def doc_cluster():
+    holder = {"c": DistCluster(n=2).start()}
+    yield holder
+    holder["c"].shutdown()
+
+
+@pytest.fixture
+def cluster(doc_cluster):
+    c = doc_cluster["c"]
+    if c.dead_ranks():
+        doc_cluster["c"] = c = c.restarted()
+    return c
+
+
+class Hung(KeyboardInterrupt):
+    """Raised from the watch callback once a verdict shows: the test's Ctrl-C."""
+
+
+def run_until_verdict(cluster, code: str, limit_s: float = HANG_AFTER + 5):
+    out = io.StringIO()
+    t0 = time.monotonic()
+    seen = {}
+
+    def on_update(watch):
+        if watch.shown_verdict and "diag" not in seen:
+            seen["diag"] = watch.diagnosis
+            seen["t"] = time.monotonic() - t0
+            raise Hung()
+        if time.monotonic() - t0 > limit_s + 10:
+            raise Hung()
+
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(
+            code,
+            filename="Cell In[5]",
+            header="%%distributed",
+            out=out,
+            hang_after=HANG_AFTER,
+            on_update=on_update,
+        )
+    assert "diag" in seen, f"no diagnosis within {limit_s + 10} s:\n{out.getvalue()}"
+    assert seen["t"] <= limit_s, f"diagnosis after {seen['t']:.1f} s"
+    return seen["diag"], out.getvalue()
+
+
+def assert_recovered(cluster):
+    """Every rank idle, process group usable: a following all_reduce is correct."""
+    r = cluster.run("t = torch.ones(2) * (nd.rank + 1)\ndist.all_reduce(t)\nt")
+    r.raise_for_errors()
+    assert all(torch.equal(v, torch.full((2,), 3.0)) for v in r.values.values())
+
+
+def test_collective_inside_rank_conditional_branch(cluster):
+    code = "x = torch.ones(3)\nif nd.rank == 0:\n    dist.broadcast(x, 0)\ndist.all_reduce(x)\n"
+    diag, out = run_until_verdict(cluster, code)
+    assert diag.kind == "conditional" and diag.culprits == [0] and diag.line == 4
+    assert diag.verdict.startswith(
+        "The ranks disagree at collective #1: rank 0 called broadcast at line 4; rank 1 called all_reduce at line 5."
+    )
+    assert "Line 4 is inside `if nd.rank == 0:` (line 3)" in diag.verdict
+    assert "released ranks 0, 1" in out
+    assert_recovered(cluster)
+
+
+def test_first_divergence_not_last_stuck_op(cluster):
+    # both ranks complete all_reduce #1; rank 1 skips the barrier (#2) and waits in all_gather (#2)
+    code = (
+        "t = torch.ones(2)\ndist.all_reduce(t)\n"
+        "if nd.rank == 0:\n    dist.barrier()\n"
+        "dist.all_gather([torch.empty(2), torch.empty(2)], t)\n"
+    )
+    diag, _ = run_until_verdict(cluster, code)
+    assert diag.kind == "conditional" and diag.culprits == [0] and diag.line == 5
+    assert (
+        "collective #2: rank 0 called barrier at line 5; rank 1 called all_gather at line 6"
+        in diag.verdict
+    )
+    assert_recovered(cluster)
+
+
+def test_mismatched_ops(cluster):
+    code = (
+        "t = torch.ones(2)\nops = [dist.all_reduce, dist.broadcast]\n"
+        "op = ops[nd.rank]\nop(t) if op is dist.all_reduce else op(t, 0)\n"
+    )
+    diag, _ = run_until_verdict(cluster, code)
+    assert diag.kind == "mismatch" and diag.culprits == [0, 1] and diag.line == 5
+    assert diag.verdict == (
+        "The ranks disagree at collective #1: rank 0 called all_reduce at line 5; rank 1 called broadcast at line 5. "
+        "Every rank must issue the same collectives in the same order."
+    )
+    assert_recovered(cluster)
+
+
+def test_rank_busy_in_python(cluster):
+    code = (
+        "import time\ndef crunch():\n    end = time.monotonic() + 60\n    while time.monotonic() < end:\n        pass\n"
+        "if nd.rank == 1:\n    crunch()\ndist.all_reduce(torch.ones(1))\n"
+    )
+    diag, _ = run_until_verdict(cluster, code)
+    assert diag.kind == "busy" and diag.culprits == [1]
+    assert diag.verdict.startswith(
+        "Rank 1 is busy in Python, not in a collective (rank 1 at line 5 in crunch (called at line 8))"
+    )
+    assert "rank 0 waits in all_reduce #1 at line 9" in diag.verdict
+    row = diag.rows[1]
+    assert row["state"] == "running Python"
+    assert_recovered(cluster)
+
+
+def test_rank_finished_the_cell_while_others_wait(cluster):
+    code = (
+        "t = torch.ones(1)\nfor step in range(3 if nd.rank == 0 else 2):\n    dist.all_reduce(t)\n"
+    )
+    diag, _ = run_until_verdict(cluster, code)
+    assert diag.kind == "finished" and diag.culprits == [1] and diag.line == 4
+    assert diag.verdict.startswith(
+        "Rank 0 called all_reduce #3 at line 4, but rank 1 finished the cell without calling it."
+    )
+    assert diag.rows[1]["state"] == "finished the cell"
+    assert_recovered(cluster)
+
+
+def test_uneven_data_in_a_ddp_loop(cluster):
+    code = (
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "model = DDP(torch.nn.Linear(4, 1))\n"
+        "batches = [torch.randn(8, 4) for _ in range(5 + (3 if nd.rank == 0 else 0))]\n"
+        "for xb in batches:\n    model(xb).sum().backward()\n"
+    )
+    diag, _ = run_until_verdict(cluster, code)
+    assert diag.kind == "uneven" and diag.culprits == [1]
+    assert diag.verdict.startswith(
+        "Rank 0 waits in the gradient all_reduce inside backward() at line 6"
+    )
+    assert (
+        "rank 1 finished the cell: the ranks ran different numbers of steps (uneven data per rank)"
+        in diag.verdict
+    )
+    assert_recovered(cluster)
+
+
+def test_exception_on_one_rank_ends_the_cell_promptly(cluster):
+    t0 = time.monotonic()
+    out = io.StringIO()
+    r = cluster.run(
+        "import time\nx = 5\nif nd.rank == 1:\n    time.sleep(0.3)\n    raise ValueError('rank 1 broke')\ndist.all_reduce(torch.ones(1))\n",
+        filename="Cell In[6]",
+        header="%%distributed",
+        out=out,
+    )
+    took = time.monotonic() - t0
+    assert took < 5, took
+    assert list(r.errors) == [1] and r.errors[1].evalue == "rank 1 broke"
+    assert r.released == [0]
+    assert (
+        "released rank 0 from collectives that could not complete; every rank kept its variables"
+        in out.getvalue()
+    )
+    kept = cluster.run("x")
+    assert dict(kept.values) == {0: 5, 1: 5}
+    assert_recovered(cluster)
+
+
+def test_interrupt_releases_ranks_blocked_in_gloo_and_keeps_state(cluster):
+    import signal
+    import threading
+
+    cluster.run("keep = nd.rank * 10").raise_for_errors()
+    timer = threading.Timer(2.0, lambda: signal.raise_signal(signal.SIGINT))
+    t_sent = {}
+    timer.start()
+    out = io.StringIO()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(
+            "if nd.rank == 0:\n    dist.recv(torch.empty(1), src=1)\nelse:\n    dist.recv(torch.empty(1), src=0)\n",
+            out=out,
+        )
+    t_sent["back"] = time.monotonic() - t0 - 2.0
+    assert t_sent["back"] < 5.0, t_sent
+    assert "released ranks 0, 1" in out.getvalue()
+    assert dict(cluster.run("keep").values) == {0: 0, 1: 10}
+    assert_recovered(cluster)
+
+
+def test_rank_that_died_is_reported_with_its_signal_and_next_cell_says_what_to_do(cluster):
+    with pytest.raises(ClusterError) as info:
+        cluster.run("nd.faults.die(rank=1)", filename="Cell In[8]", header="%%distributed")
+    assert str(info.value).startswith("rank 1 was killed by SIGKILL.")
+    assert "Run %dist_restart" in str(info.value)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError) as info:
+        cluster.run("1")
+    assert time.monotonic() - t0 < 1
+    assert (
+        str(info.value)
+        == "rank 1 was killed by SIGKILL. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
+    )
+
+
+def test_mismatched_dtypes_name_the_op_and_line(cluster):
+    with pytest.raises(ClusterError) as info:
+        cluster.run(
+            "t = torch.ones(4, dtype=torch.float32 if nd.rank == 0 else torch.float64)\ndist.all_reduce(t)\n",
+            filename="Cell In[9]",
+            header="%%distributed",
+        )
+    msg = str(info.value)
+    assert "was killed by SIGABRT in all_reduce at line 3." in msg
+    assert "differ in shape or dtype across ranks" in msg
+
+
+def test_restart_with_replay_rebuilds_state(cluster, doc_cluster):
+    cluster.history.clear()  # replay this test's cells only
+    cluster.run("import math\nbase = torch.arange(3.0) + nd.rank").raise_for_errors()
+    cluster.run("def scaled(k):\n    return base * k").raise_for_errors()
+    n_hist = len(cluster.history)
+    fresh = cluster.restarted()
+    doc_cluster["c"] = fresh
+    assert [r.pid for r in fresh.ranks] != [r.pid for r in cluster.ranks]
+    assert fresh.replay(list(fresh.history)) == n_hist
+    r = fresh.run("scaled(2)")
+    assert torch.equal(r.values[1], (torch.arange(3.0) + 1) * 2)

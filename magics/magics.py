@@ -120,12 +120,21 @@ class DistMagics(Magics):
             print("notebook_dist: no cluster is running (start one with %dist_init).")
             return
         rows = cluster.status()
-        print(f"{cluster.world_size} ranks, backend {cluster.backend}")
-        print(
-            cluster.table(
-                rows, ("rank", "host", "pid", "device", "backend", "state", "process_group")
-            )
+        columns = ("rank", "host", "pid", "device", "backend", "state", "process_group")
+        text = f"{cluster.world_size} ranks, backend {cluster.backend}\n" + cluster.table(
+            rows, columns
         )
+        from notebook_dist.ui import widgets_available
+
+        if widgets_available():
+            from IPython.display import display
+
+            from notebook_dist.ui.html import DashboardRecord, render_html
+            from notebook_dist.ui.state import cluster_state
+
+            display(DashboardRecord(render_html(cluster_state(cluster, rows)), text))
+        else:
+            print(text)
 
     @line_magic
     def dist_shutdown(self, line: str = ""):
@@ -164,6 +173,7 @@ class DistMagics(Magics):
         metavar="SECONDS",
         help="show a diagnosis after this long without progress",
     )
+    @argument("--no-dashboard", action="store_true", help="no live dashboard for this cell")
     @argument(
         "--autodist",
         action="store_true",
@@ -189,7 +199,14 @@ class DistMagics(Magics):
         if args.hang_after is not None and args.hang_after <= 0:
             raise UsageError("--hang-after: give a positive number of seconds")
         header = None if args.autodist else f"%%distributed {line}".rstrip()
-        return self._run(cell, args.ranks, args.gather, header=header, hang_after=args.hang_after)
+        return self._run(
+            cell,
+            args.ranks,
+            args.gather,
+            header=header,
+            hang_after=args.hang_after,
+            dashboard=not args.no_dashboard,
+        )
 
     @cell_magic
     def rank(self, line: str, cell: str):
@@ -210,6 +227,7 @@ class DistMagics(Magics):
         gather: list[str],
         header: str | None,
         hang_after: float | None = None,
+        dashboard: bool = True,
     ):
         for name in gather:
             if not name.isidentifier():
@@ -222,9 +240,23 @@ class DistMagics(Magics):
             raise _usage(exc) from None
         cluster = self._cluster()
         filename = f"Cell In[{self.shell.displayhook.prompt_count}]"  # IPython's own Out[N] number
-        result = cluster.run(
-            cell, ranks, gather, filename=filename, header=header, hang_after=hang_after
-        )
+        from notebook_dist.ui import DashboardFeed, make_dashboard
+
+        board = make_dashboard(cluster.config.dashboard if dashboard else "off")
+        feed = DashboardFeed(board) if board is not None else None
+        try:
+            result = cluster.run(
+                cell,
+                ranks,
+                gather,
+                filename=filename,
+                header=header,
+                hang_after=hang_after,
+                on_update=feed,
+            )
+        finally:
+            if feed is not None and cluster.last_watch is not None:
+                feed.close(cluster.last_watch)
         for name, values in result.gathered.items():
             self.shell.user_ns[name] = values
         result.raise_for_errors()

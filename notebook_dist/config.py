@@ -32,6 +32,10 @@ class DistConfig:
     inside a collective), they are released from their collectives so the cell ends
     in seconds rather than after the collective timeout."""
 
+    dashboard: str = "auto"
+    """``auto`` (live widgets in Jupyter, text elsewhere), ``widget``, ``text`` or ``off``;
+    ``%%distributed --no-dashboard`` turns it off for one cell."""
+
     publish_interval_s: float = 0.5
     """How often each rank's agent thread reports its state while a cell runs."""
 

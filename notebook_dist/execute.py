@@ -73,6 +73,7 @@ class OutputStreamer:
         self._partial: dict[tuple[int, str], str] = {}
         self._outputs_seen: dict[int, int] = {}
         self.lines_written = 0
+        self.last_line: dict[int, str] = {}  # per rank, for the dashboard
 
     def _stream(self, name: str) -> TextIO:
         if name == "stderr":
@@ -96,6 +97,10 @@ class OutputStreamer:
         if rest:
             self._partial[(rank, name)] = rest
         if lines:
+            for line in reversed(lines):
+                if line.strip():
+                    self.last_line[rank] = line
+                    break
             prefix = f"[rank {rank}] "
             stream = self._stream(name)
             stream.write("".join(f"{prefix}{line}\n" for line in lines))

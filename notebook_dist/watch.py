@@ -79,7 +79,7 @@ class CellWatch:
         for r, md, fut in zip(self.ranks, self.metadata, self.futures):
             v = self.views[r]
             snap = (md.get("data") or {}).get("nd")
-            if snap and snap.get("cell_started", 0) >= self.started - 5:
+            if v.status == "running" and snap and snap.get("cell_started", 0) >= self.started - 5:
                 v.snap = snap
             if v.status == "running":
                 if r in dead:
@@ -89,12 +89,7 @@ class CellWatch:
                         v.result = unpack(fut.result())
                         v.status = "error" if v.result["status"] == "error" else "done"
                         # the rank's final record, even if it finished before its agent reported
-                        v.snap = dict(
-                            v.snap,
-                            collective=None,
-                            history=v.result.get("history", []),
-                            collectives_done=v.result.get("collectives"),
-                        )
+                        v.snap = dict(v.result.get("final") or {}, collective=None)
                     except Exception as exc:  # engine-level failure
                         v.status = "error"
                         v.result = {

@@ -60,7 +60,7 @@ def _gpu_memory() -> tuple[int, int] | None:
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
-def snapshot() -> dict[str, Any]:
+def snapshot(with_stack: bool = True) -> dict[str, Any]:
     now = time.time()
     current = TRACKER.current
     wait_s = TRACKER.wait_s + (now - current["t0"] if current else 0.0)
@@ -74,7 +74,7 @@ def snapshot() -> dict[str, Any]:
         "history": [dict(r) for r in list(TRACKER.history)[-8:]],
         "collectives_done": TRACKER.count,
         "wait_s": wait_s,
-        "stack": main_stack(),
+        "stack": main_stack() if with_stack else [],
         "rss": _rss_bytes(),
         "gpu": _gpu_memory(),
         "metrics": dict(STATE.metrics),

@@ -87,7 +87,10 @@ def run_cell(
         sys.stderr.flush()
     result["collectives"] = TRACKER.count
     result["wait_s"] = TRACKER.wait_s
-    result["history"] = [dict(r) for r in list(TRACKER.history)[-8:]]
+    from .agent import snapshot
+
+    final = snapshot(with_stack=False)  # the state at the end, even if the agent never reported
+    result["final"] = final
     gathered, missing = {}, []
     for name in gather:
         if name in ns:

@@ -1,0 +1,73 @@
+"""The dashboard: a plain state object (``state``), rendered as widgets or as text.
+
+Widget code holds no logic: ``state.build`` turns what the kernel knows of a running
+cell into a :class:`DashboardState`; ``widget`` and ``text`` only draw it. Pick one
+with :func:`make_dashboard`.
+"""
+
+from __future__ import annotations
+
+from .state import DashboardState, RankRow, build
+
+
+def widgets_available() -> bool:
+    """True inside a Jupyter kernel whose front end can show ipywidgets."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    if ip is None or getattr(ip, "kernel", None) is None:
+        return False  # terminal IPython, a plain script
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_dashboard(mode: str = "auto"):
+    """``auto``: widgets in a Jupyter kernel, text elsewhere; ``widget``, ``text`` or ``off``."""
+    if mode == "off":
+        return None
+    if mode == "widget" or (mode == "auto" and widgets_available()):
+        from .widget import WidgetDashboard
+
+        return WidgetDashboard()
+    from .text import TextDashboard
+
+    return TextDashboard()
+
+
+__all__ = [
+    "DashboardFeed",
+    "DashboardState",
+    "RankRow",
+    "build",
+    "make_dashboard",
+    "widgets_available",
+]
+
+
+class DashboardFeed:
+    """The CellWatch callback that feeds a dashboard at most ``hz`` times a second."""
+
+    def __init__(self, dashboard, hz: float = 4.0, chart_metric: str = "loss"):
+        self.dashboard = dashboard
+        self.min_interval = 1.0 / hz
+        self.chart_metric = chart_metric
+        self._last = 0.0
+        self.updates = 0
+
+    def __call__(self, watch) -> None:
+        import time
+
+        now = time.monotonic()
+        if now - self._last < self.min_interval:
+            return
+        self._last = now
+        self.updates += 1
+        self.dashboard.update(build(watch, self.chart_metric))
+
+    def close(self, watch) -> None:
+        self.dashboard.close(build(watch, self.chart_metric))

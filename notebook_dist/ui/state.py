@@ -1,0 +1,137 @@
+"""Dashboard state: what every rank is doing, as plain data."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+STRAGGLER_RATIO = 1.2  # a rank whose step time is 20% over the median is flagged
+
+
+@dataclass
+class RankRow:
+    rank: int
+    state: str = "starting"  # starting, running, in collective, done, error, dead, hung
+    elapsed_s: float = 0.0
+    collective: str = ""  # "all_reduce #12"
+    last_output: str = ""
+    rss_bytes: int = 0
+    gpu_allocated: int | None = None
+    gpu_reserved: int | None = None
+    step: float | None = None
+    total: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    chart_key: str | None = None
+    chart: list[tuple[float, float]] = field(default_factory=list)
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    step_time_s: float | None = None
+    straggler: bool = False
+
+
+@dataclass
+class DashboardState:
+    world_size: int
+    backend: str
+    devices: list[str]
+    ranks: list[int]
+    wall_s: float = 0.0
+    throughput: float | None = None  # samples/s, when ranks report samples=
+    verdict: str | None = None
+    finished: bool = False
+    rows: dict[int, RankRow] = field(default_factory=dict)
+
+
+def _state_of(view, hung: bool) -> str:
+    if view.status == "dead":
+        return "dead"
+    if view.status == "error":
+        return "error"
+    if view.status == "done":
+        return "done"
+    if hung:
+        return "hung"
+    if not view.snap:
+        return "starting"
+    if view.snap.get("collective"):
+        return "in collective"
+    return "running"
+
+
+def build(watch, chart_metric: str = "loss", now: float | None = None) -> DashboardState:
+    """The dashboard state of a running (or finished) cell from its CellWatch."""
+    now = time.time() if now is None else now
+    cluster = watch.cluster
+    st = DashboardState(
+        world_size=cluster.world_size,
+        backend=cluster.backend,
+        devices=[r.device for r in cluster.ranks],
+        ranks=list(watch.ranks),
+        wall_s=now - watch.started,
+        verdict=watch.diagnosis.verdict if watch.shown_verdict and watch.diagnosis else None,
+        finished=not watch.running(),
+    )
+    hung = bool(watch.shown_verdict) and watch.running()
+    samples_rate = 0.0
+    any_samples = False
+    for r in watch.ranks:
+        v = watch.views[r]
+        snap = v.snap or {}
+        row = RankRow(rank=r, state=_state_of(v, hung and v.status == "running"))
+        row.elapsed_s = (snap.get("time", now) if v.status != "running" else now) - watch.started
+        coll = snap.get("collective")
+        if coll and v.status == "running":
+            row.collective = f"{coll['op']} #{coll['seq']}"
+        row.last_output = watch.streamer.last_line.get(r, "")
+        row.rss_bytes = snap.get("rss", 0) or 0
+        if snap.get("gpu"):
+            row.gpu_allocated, row.gpu_reserved = snap["gpu"]
+        metrics = {
+            k: val for k, val in (snap.get("metrics") or {}).items() if not k.startswith("_")
+        }
+        row.metrics = metrics
+        row.step = metrics.get("step")
+        row.total = metrics.get("total")
+        series = snap.get("series") or {}
+        key = chart_metric if chart_metric in series else next(iter(series), None)
+        row.chart_key = key
+        row.chart = list(series.get(key, [])) if key else []
+        row.wait_s = float(snap.get("wait_s") or 0.0)
+        row.compute_s = max(0.0, row.elapsed_s - row.wait_s)
+        reports = snap.get("reports") or 0
+        raw = snap.get("metrics") or {}
+        if reports and raw.get("_time"):
+            row.step_time_s = (raw["_time"] - watch.started) / reports
+        if raw.get("_samples_total") and raw.get("_time") and raw["_time"] > watch.started:
+            any_samples = True
+            samples_rate += raw["_samples_total"] / (raw["_time"] - watch.started)
+        st.rows[r] = row
+    times = [row.step_time_s for row in st.rows.values() if row.step_time_s]
+    if len(times) >= 2:
+        median = statistics.median(times)
+        for row in st.rows.values():
+            row.straggler = bool(row.step_time_s and row.step_time_s > STRAGGLER_RATIO * median)
+    st.throughput = samples_rate if any_samples else None
+    return st
+
+
+def cluster_state(cluster, rows: list[dict] | None = None) -> DashboardState:
+    """The whole cluster when no cell runs (for %dist_status)."""
+    rows = cluster.status() if rows is None else rows
+    st = DashboardState(
+        world_size=cluster.world_size,
+        backend=cluster.backend,
+        devices=[r.device for r in cluster.ranks],
+        ranks=[r["rank"] for r in rows],
+        finished=True,
+    )
+    for r in rows:
+        state = (
+            "dead"
+            if r["state"].startswith("dead")
+            else ("running" if r["state"] == "busy" else "idle")
+        )
+        st.rows[r["rank"]] = RankRow(rank=r["rank"], state=state, last_output=r["state"])
+    return st

@@ -1,0 +1,95 @@
+"""Text rendering of the dashboard: printed once when the cell ends, never streamed."""
+
+from __future__ import annotations
+
+from .state import DashboardState
+
+
+def fmt_bytes(n: int | None) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def fmt_metric(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def progress_text(step, total) -> str:
+    if step is None:
+        return "-"
+    if total:
+        return f"{step:g}/{total:g}"
+    return f"{step:g}"
+
+
+def render_text(st: DashboardState) -> str:
+    head = f"{st.world_size} ranks · {st.backend} · {st.wall_s:.1f} s"
+    if st.throughput:
+        head += f" · {st.throughput:,.0f} samples/s"
+    lines = [head]
+    cols = (
+        "rank",
+        "state",
+        "step",
+        "metrics",
+        "collective",
+        "compute/wait",
+        "memory",
+        "last output",
+    )
+    table = []
+    for r in st.ranks:
+        row = st.rows.get(r)
+        if row is None:
+            continue
+        metrics = ", ".join(
+            f"{k}={fmt_metric(v)}"
+            for k, v in row.metrics.items()
+            if k not in ("step", "total", "samples")
+        )
+        state = row.state + (" (straggler)" if row.straggler else "")
+        mem = fmt_bytes(row.rss_bytes)
+        if row.gpu_allocated is not None:
+            mem += f" / GPU {fmt_bytes(row.gpu_allocated)}"
+        table.append(
+            (
+                str(r),
+                state,
+                progress_text(row.step, row.total),
+                metrics or "-",
+                row.collective or "-",
+                f"{row.compute_s:.1f}/{row.wait_s:.1f} s",
+                mem,
+                (row.last_output or "")[:40],
+            )
+        )
+    widths = [
+        max(len(c), *(len(t[i]) for t in table)) if table else len(c) for i, c in enumerate(cols)
+    ]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+    lines.extend("  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in table)
+    if st.verdict:
+        lines.append(f"Diagnosis: {st.verdict}")
+    return "\n".join(lines)
+
+
+class TextDashboard:
+    """Keeps the latest state; prints it once, when the cell ends."""
+
+    def __init__(self) -> None:
+        self.state: DashboardState | None = None
+
+    def update(self, state: DashboardState) -> None:
+        self.state = state
+
+    def close(self, state: DashboardState) -> None:
+        self.state = state
+        if any(row.metrics for row in state.rows.values()) or state.verdict:
+            print(render_text(state))

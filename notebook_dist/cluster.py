@@ -364,14 +364,16 @@ class DistCluster:
         t0 = time.perf_counter()
         token = uuid.uuid4().hex
         ar = self._view(selected).apply_async(
-            rt_cell.run_cell,
-            prepared.code,
-            prepared.filename,
-            prepared.source,
-            prepared.first_line,
-            gather,
-            prepared.want_value,
-            token,
+            rt_cell.run_cell_request,
+            (
+                prepared.code,
+                prepared.filename,
+                prepared.source,
+                prepared.first_line,
+                gather,
+                prepared.want_value,
+                token,
+            ),
         )
         watch = self.last_watch = CellWatch(
             self,

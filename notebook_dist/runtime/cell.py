@@ -129,6 +129,12 @@ def run_cell(
     return pack(result)
 
 
+def run_cell_request(request: tuple) -> list:
+    """:func:`run_cell` with its arguments in one tuple: one object for ipyparallel to
+    serialise per message instead of seven (this is on every cell's critical path)."""
+    return run_cell(*request)
+
+
 def push_values(*frames: Any) -> list[str]:
     """Bind the names in a packed ``{name: value}`` into the rank's namespace."""
     from ..values import unpack

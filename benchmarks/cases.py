@@ -1,0 +1,322 @@
+"""The benchmark cases. Each returns a dict of named measurements and ratios.
+
+Every ratio compares two things measured side by side in the same run, alternating,
+so machine noise hits both alike. Absolute times are reported only for context.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+TRAIN_SETUP = """
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(nd.rank)
+X, Y = torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
+"""
+
+TRAIN_LOOP = """
+for step in range(1, STEPS + 1):
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(X), Y)
+    loss.backward()
+    opt.step()
+    nd.report(step=step, total=STEPS, loss=loss.item(), samples=64)
+"""
+
+TIMED_LOOP = (
+    "import time as _t\n_t0 = _t.perf_counter()\n"
+    + TRAIN_LOOP
+    + "STEPS / (_t.perf_counter() - _t0)\n"
+)
+
+
+def summarize(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def ratio(a: list[float], b: list[float]) -> dict:
+    """median(a) / median(b) and the spread of the per-pair ratios."""
+    pairs = [x / y for x, y in zip(a, b)]
+    return {
+        "ratio": statistics.median(a) / statistics.median(b),
+        "pair_min": min(pairs),
+        "pair_max": max(pairs),
+    }
+
+
+def _torchrun(args: list[str], timeout: float = 300) -> tuple[float, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(HERE / "torchrun_job.py"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    elapsed = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return elapsed, out.stdout
+
+
+def startup(reps: int) -> dict:
+    from notebook_dist import DistCluster
+
+    ours, theirs = [], []
+    for i in range(reps):
+        order = [0, 1] if i % 2 == 0 else [1, 0]
+        for which in order:
+            if which == 0:
+                t0 = time.perf_counter()
+                c = DistCluster(n=2).start()  # returns once every rank's process group is usable
+                ours.append(time.perf_counter() - t0)
+                c.shutdown()
+            else:
+                theirs.append(_torchrun(["startup"])[0])
+    return {
+        "dist_init_s": summarize(ours),
+        "torchrun_s": summarize(theirs),
+        "startup_vs_torchrun": ratio(ours, theirs),
+    }
+
+
+def dispatch(cluster, shell, reps: int) -> dict:
+    view = cluster._client.direct_view(cluster._engine_ids)
+    ours, raw = [], []
+    for _ in range(5):  # warm up both paths
+        shell.run_cell_magic("distributed", "--no-dashboard", "pass")
+        view.execute("pass", block=True)
+    for i in range(reps):
+        t0 = time.perf_counter()
+        shell.run_cell_magic("distributed", "", "pass")
+        ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        view.execute("pass", block=True)
+        raw.append(time.perf_counter() - t0)
+    return {
+        "cell_s": summarize(ours),
+        "view_execute_s": summarize(raw),
+        "cell_vs_view_execute": ratio(ours, raw),
+    }
+
+
+def nbdistributed_dispatch(reps: int) -> dict | None:
+    """nbdistributed 0.1.0 installed beside us (benchmarks/.nbd), in its own process."""
+    target = HERE / ".nbd"
+    if not (target / "nbdistributed").exists():
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--target",
+                str(target),
+                "nbdistributed==0.1.0",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            return {"skipped": "nbdistributed 0.1.0 could not be installed: " + r.stderr[-300:]}
+    env = dict(os.environ, PYTHONPATH=str(target), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, str(HERE / "nbd_dispatch.py"), str(reps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        return {"skipped": "nbdistributed run failed: " + (out.stderr or out.stdout)[-500:]}
+    import json
+
+    return json.loads(line[7:])
+
+
+def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 3) -> dict:
+    import torch
+
+    view = cluster._client.direct_view(cluster._engine_ids)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        for mb in sizes_mb:
+            n = mb * 2**20 // (4 if dtype == "float32" else 2)
+            cluster.run(f"x = torch.randn({n}).to(torch.{dtype})").raise_for_errors()
+            local = torch.randn(n).to(getattr(torch, dtype))
+            r_reps = reps if mb < 256 else max(2, reps - 1)
+            value, gather, pull_ipp, push, copy = [], [], [], [], []
+            for _ in range(r_reps):
+                t0 = time.perf_counter()
+                [
+                    torch.empty_like(local).copy_(local) for _ in range(2)
+                ]  # the same bytes, 2 ranks' worth
+                copy.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                r = cluster.run("x")
+                value.append(time.perf_counter() - t0)
+                assert r.values[1].dtype == local.dtype and r.values[1].numel() == n
+                t0 = time.perf_counter()
+                cluster.run("pass", gather=["x"])
+                gather.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                cluster.push({"y": local})
+                push.append(time.perf_counter() - t0)
+                if mb <= 16:  # ipyparallel's own path pickles tensors in band: slow at 256 MB
+                    t0 = time.perf_counter()
+                    view.pull("x", block=True)
+                    pull_ipp.append(time.perf_counter() - t0)
+            key = f"{dtype}_{mb}MB"
+            out[key] = {
+                "value_vs_copy": ratio(copy, value)["ratio"],
+                "gather_vs_copy": ratio(copy, gather)["ratio"],
+                "push_vs_copy": ratio(copy, push)["ratio"],
+                "value_GBps": 2 * mb / 1024 / statistics.median(value),
+                "copy_GBps": 2 * mb / 1024 / statistics.median(copy),
+            }
+            if pull_ipp:
+                out[key]["vs_ipyparallel_pull"] = statistics.median(pull_ipp) / statistics.median(
+                    value[: len(pull_ipp)]
+                )
+            cluster.run("del x, y").raise_for_errors()
+    return out
+
+
+TRACKING_CELL = """
+import time
+t = torch.ones(8)
+raw = dist.all_reduce._notebook_dist_original
+tracked = dist.all_reduce
+res = {"tracked": [], "raw": []}
+dist.barrier()
+for rnd in range(ROUNDS):
+    for name, fn in (("tracked", tracked), ("raw", raw)) if rnd % 2 == 0 else (("raw", raw), ("tracked", tracked)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            fn(t)
+        res[name].append(time.perf_counter() - t0)
+res
+"""
+
+
+def tracking_overhead(cluster, rounds: int = 7) -> dict:
+    r = cluster.run(TRACKING_CELL.replace("ROUNDS", str(rounds)))
+    r.raise_for_errors()
+    res = r.values[0]
+    return {
+        "tracked_1000_s": summarize(res["tracked"]),
+        "raw_1000_s": summarize(res["raw"]),
+        "tracked_vs_raw": ratio(res["tracked"], res["raw"]),
+    }
+
+
+class _Sink:
+    def update(self, st):
+        pass
+
+    def close(self, st):
+        pass
+
+
+def _widget_feed():
+    """A real WidgetDashboard whose comms go nowhere (no front end in a benchmark)."""
+    import ipywidgets.comm as ipw_comm
+    from comm.base_comm import BaseComm
+
+    from notebook_dist.ui import DashboardFeed
+    from notebook_dist.ui.widget import WidgetDashboard
+
+    class NullComm(BaseComm):
+        def publish_msg(self, *a, **k):
+            pass
+
+    ipw_comm.create_comm = lambda **kw: NullComm(**kw)
+    board = WidgetDashboard()
+    board._handle = type("H", (), {"update": lambda self, x: None})()  # no display outside a kernel
+    return DashboardFeed(board)
+
+
+def training(cluster, steps: int, reps: int) -> dict:
+    cluster.run(TRAIN_SETUP).raise_for_errors()
+    ours, theirs = [], []
+    for i in range(reps):
+        feed = _widget_feed()
+        r = cluster.run(TIMED_LOOP.replace("STEPS", str(steps)), on_update=feed)
+        r.raise_for_errors()
+        ours.append(min(r.values.values()))
+        _, stdout = _torchrun(["train", str(steps)])
+        theirs.append(float(stdout.split("RESULT ")[1].split()[0]))
+    return {
+        "notebook_steps_per_s": summarize(ours),
+        "torchrun_steps_per_s": summarize(theirs),
+        "notebook_vs_torchrun": ratio(ours, theirs),
+    }
+
+
+def dashboard_overhead(cluster, steps: int, reps: int) -> dict:
+    cluster.run(TRAIN_SETUP).raise_for_errors()
+    on, off = [], []
+    quiet = TIMED_LOOP.replace(
+        "    nd.report(step=step, total=STEPS, loss=loss.item(), samples=64)\n", "    loss.item()\n"
+    )
+    for i in range(reps):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            if which == 0:
+                r = cluster.run(TIMED_LOOP.replace("STEPS", str(steps)), on_update=_widget_feed())
+                on.append(min(r.values.values()))
+            else:
+                r = cluster.run(quiet.replace("STEPS", str(steps)))
+                off.append(min(r.values.values()))
+    return {
+        "with_dashboard_steps_per_s": summarize(on),
+        "without_steps_per_s": summarize(off),
+        "on_vs_off": ratio(on, off),
+    }
+
+
+def growth(reps: int) -> dict:
+    from notebook_dist import DistCluster
+
+    out = {}
+    for n in (1, 2, 4):
+        with DistCluster(n=n) as c:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                c.run("pass")
+                times.append(time.perf_counter() - t0)
+            c.run("x = torch.randn(4 * 2**20)").raise_for_errors()
+            g = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                c.run("pass", gather=["x"])
+                g.append(time.perf_counter() - t0)
+            out[f"{n}_ranks"] = {
+                "dispatch_ms": 1000 * statistics.median(times),
+                "gather_16MB_each_ms": 1000 * statistics.median(g),
+            }
+    return out

@@ -1,0 +1,160 @@
+"""Run every benchmark in one go; print a table of ratios and write a JSON file.
+
+    python -m benchmarks.run [--quick] [--out benchmarks/results/latest.json]
+
+Ratios are of two things measured side by side in this run (these machines are noisy:
+absolute times are context, not claims). Targets are from the project's issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cases  # noqa: E402
+
+TARGETS = [
+    # (label, path in results, target text, predicate)
+    (
+        "startup: %dist_init -n 2 / torchrun init+all_reduce",
+        ("startup", "startup_vs_torchrun", "ratio"),
+        "<= 1.0x",
+        lambda r: r <= 1.0,
+    ),
+    (
+        "dispatch: empty cell / view.execute",
+        ("dispatch", "cell_vs_view_execute", "ratio"),
+        "<= 1.2x",
+        lambda r: r <= 1.2,
+    ),
+    (
+        "dispatch: nbdistributed cell / ours",
+        ("dispatch", "nbdistributed_vs_ours"),
+        ">= 10x",
+        lambda r: r >= 10,
+    ),
+    (
+        "tracking: 1000 all_reduce tracked / raw",
+        ("tracking", "tracked_vs_raw", "ratio"),
+        "<= 1.02x",
+        lambda r: r <= 1.02,
+    ),
+    (
+        "training: %%distributed+dashboard / torchrun steps/s",
+        ("training", "notebook_vs_torchrun", "ratio"),
+        ">= 0.97x",
+        lambda r: r >= 0.97,
+    ),
+    (
+        "dashboard: DDP steps/s on / off",
+        ("dashboard", "on_vs_off", "ratio"),
+        ">= 0.98x",
+        lambda r: r >= 0.98,
+    ),
+]
+
+
+def _get(results, path):
+    for key in path:
+        if not isinstance(results, dict) or key not in results:
+            return None
+        results = results[key]
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    ap.add_argument(
+        "--out", default=str(Path(__file__).resolve().parent / "results" / "latest.json")
+    )
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    reps = 2 if args.quick else 5
+    t_all = time.perf_counter()
+    results: dict = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+    }
+    import torch
+
+    results["torch"] = torch.__version__
+
+    print("startup ...", flush=True)
+    results["startup"] = cases.startup(max(2, reps - 2))
+
+    from IPython.terminal.interactiveshell import TerminalInteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from notebook_dist import DistCluster, session
+
+    shell = TerminalInteractiveShell.instance()
+    shell.run_line_magic("load_ext", "notebook_dist")
+    cluster = DistCluster(n=2).start()
+    session.set_current(cluster)
+    try:
+        print("dispatch ...", flush=True)
+        with capture_output():
+            results["dispatch"] = cases.dispatch(cluster, shell, 40 if args.quick else 100)
+        nbd = cases.nbdistributed_dispatch(10 if args.quick else 30)
+        results["dispatch"]["nbdistributed"] = nbd
+        if nbd and "median" in nbd:
+            results["dispatch"]["nbdistributed_vs_ours"] = (
+                nbd["median"] / results["dispatch"]["cell_s"]["median"]
+            )
+        print("transfer ...", flush=True)
+        results["transfer"] = cases.transfer(
+            cluster, (1, 16) if args.quick else (1, 16, 256), reps=3
+        )
+        print("tracking ...", flush=True)
+        results["tracking"] = cases.tracking_overhead(cluster, 5 if args.quick else 9)
+        print("training ...", flush=True)
+        results["training"] = cases.training(
+            cluster, 200 if args.quick else 400, 2 if args.quick else 3
+        )
+        print("dashboard ...", flush=True)
+        results["dashboard"] = cases.dashboard_overhead(
+            cluster, 200 if args.quick else 400, 2 if args.quick else 4
+        )
+    finally:
+        session.shutdown()
+    print("growth ...", flush=True)
+    results["growth"] = cases.growth(20 if args.quick else 50)
+    results["total_s"] = time.perf_counter() - t_all
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print()
+    print(f"{'benchmark':55s} {'ratio':>8s}  {'target':>8s}  met")
+    for label, path, target, ok in TARGETS:
+        value = _get(results, path)
+        text = "n/a" if value is None else f"{value:.3f}"
+        met = "-" if value is None else ("yes" if ok(value) else "NO")
+        print(f"{label:55s} {text:>8s}  {target:>8s}  {met}")
+    for key, t in results["transfer"].items():
+        extra = (
+            f", {t['vs_ipyparallel_pull']:.1f}x ipyparallel's pull"
+            if "vs_ipyparallel_pull" in t
+            else ""
+        )
+        print(
+            f"transfer {key:14s} value {t['value_vs_copy']:.2f}x copy, gather {t['gather_vs_copy']:.2f}x, "
+            f"push {t['push_vs_copy']:.2f}x (target >= 0.5x){extra}"
+        )
+    for n, g in results["growth"].items():
+        print(
+            f"growth {n}: dispatch {g['dispatch_ms']:.1f} ms, gather 16 MB per rank {g['gather_16MB_each_ms']:.0f} ms"
+        )
+    print(f"\nwritten to {args.out} ({results['total_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The torchrun side of the side-by-side benchmarks (run by benchmarks/run.py)."""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+mode = sys.argv[1]
+dist.init_process_group("gloo")
+if mode == "startup":
+    t = torch.ones(1)
+    dist.all_reduce(t)
+elif mode == "train":
+    steps = int(sys.argv[2])
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import TRAIN_LOOP, TRAIN_SETUP
+
+    ns = {
+        "nd": type(
+            "nd",
+            (),
+            {
+                "rank": dist.get_rank(),
+                "world_size": dist.get_world_size(),
+                "report": staticmethod(lambda **k: None),
+            },
+        )
+    }
+    exec(TRAIN_SETUP, ns)
+    dist.barrier()
+    t0 = time.perf_counter()
+    exec(TRAIN_LOOP.replace("STEPS", str(steps)), ns)
+    elapsed = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        print(f"RESULT {steps / elapsed}")
+dist.destroy_process_group()

@@ -106,7 +106,7 @@ def dispatch(cluster, shell, reps: int) -> dict:
     for _ in range(5):  # warm up both paths
         shell.run_cell_magic("distributed", "--no-dashboard", "pass")
         view.execute("pass", block=True)
-    for i in range(reps):
+    for _ in range(reps):
         t0 = time.perf_counter()
         shell.run_cell_magic("distributed", "", "pass")
         ours.append(time.perf_counter() - t0)
@@ -263,7 +263,7 @@ def _widget_feed():
 def training(cluster, steps: int, reps: int) -> dict:
     cluster.run(TRAIN_SETUP).raise_for_errors()
     ours, theirs = [], []
-    for i in range(reps):
+    for _ in range(reps):
         feed = _widget_feed()
         r = cluster.run(TIMED_LOOP.replace("STEPS", str(steps)), on_update=feed)
         r.raise_for_errors()

@@ -173,6 +173,12 @@ class DistMagics(Magics):
         metavar="SECONDS",
         help="show a diagnosis after this long without progress",
     )
+    @argument(
+        "--on-hang",
+        choices=("show", "stop"),
+        default="show",
+        help="show: print the diagnosis and keep waiting (default); stop: then end the cell with HangError",
+    )
     @argument("--no-dashboard", action="store_true", help="no live dashboard for this cell")
     @argument(
         "--autodist",
@@ -206,6 +212,7 @@ class DistMagics(Magics):
             header=header,
             hang_after=args.hang_after,
             dashboard=not args.no_dashboard,
+            on_hang=args.on_hang,
         )
 
     @cell_magic
@@ -228,6 +235,7 @@ class DistMagics(Magics):
         header: str | None,
         hang_after: float | None = None,
         dashboard: bool = True,
+        on_hang: str = "show",
     ):
         for name in gather:
             if not name.isidentifier():
@@ -253,6 +261,7 @@ class DistMagics(Magics):
                 header=header,
                 hang_after=hang_after,
                 on_update=feed,
+                on_hang=on_hang,
             )
         finally:
             if feed is not None and cluster.last_watch is not None:

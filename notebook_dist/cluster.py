@@ -348,6 +348,7 @@ class DistCluster:
         err: TextIO | None = None,
         hang_after: float | None = None,
         on_update=None,
+        on_hang: str = "show",
     ) -> CellResult:
         """Run a cell on the selected ranks at once, streaming their output live.
 
@@ -386,6 +387,9 @@ class DistCluster:
             on_update,
         )
         watch.token = token
+        if on_hang not in ("show", "stop"):
+            raise ValueError("on_hang must be 'show' or 'stop'")
+        watch.hang_action = on_hang
         watch.run_to_end()
         if any(v.status == "dead" for v in watch.views.values()):
             raise ClusterError(watch.diagnose().verdict)

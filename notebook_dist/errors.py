@@ -87,6 +87,13 @@ class RankError(NotebookDistError, RuntimeError):
         return lines
 
 
+class HangError(NotebookDistError, RuntimeError):
+    """A cell stopped because it hung (``--on-hang stop``); the message is the verdict.
+
+    The ranks were released and keep their variables; the process group was rebuilt.
+    """
+
+
 class RemoteTraceback:
     """An exception as it happened on a rank: name, message and formatted traceback."""
 

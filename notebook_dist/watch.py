@@ -69,6 +69,7 @@ class CellWatch:
         #: the ranks' snapshots when the hang was shown or the cell interrupted
         self.frozen: dict[int, dict] | None = None
         self.token = ""  # the cell's id on the ranks: releases name it
+        self.hang_action = "show"  # or "stop": end the cell once a hang is diagnosed
 
     # ---- state ----------------------------------------------------------------------
 
@@ -161,11 +162,16 @@ class CellWatch:
         self.shown_verdict = diag.verdict
         stream = self.streamer._stream("stdout")
         waited = time.monotonic() - self.last_progress
-        stream.write(
-            f"\nnotebook_dist: no rank has made progress for {waited:.0f} s (the cell keeps running; interrupt to stop it)\n"
+        tail = (
+            "stopping the cell (--on-hang stop)"
+            if self.hang_action == "stop"
+            else "the cell keeps running; interrupt to stop it"
         )
+        stream.write(f"\nnotebook_dist: no rank has made progress for {waited:.0f} s ({tail})\n")
         stream.write(diag.text() + "\n\n")
         stream.flush()
+        if self.hang_action == "stop":
+            raise _StopHung()
 
     # ---- release --------------------------------------------------------------------
 
@@ -212,6 +218,12 @@ class CellWatch:
             while self.running() and not self.abandoned:
                 self.ar.wait(0.05)
                 self.poll()
+        except _StopHung:
+            verdict = self.shown_verdict
+            self.interrupt(quiet=True)
+            from .errors import HangError
+
+            raise HangError(verdict) from None
         except KeyboardInterrupt:
             self.interrupt()
             raise
@@ -227,7 +239,7 @@ class CellWatch:
             self.ar.wait(0.05)
             self.poll()
 
-    def interrupt(self) -> None:
+    def interrupt(self, quiet: bool = False) -> None:
         """Interrupt Python on every rank; release those blocked in collectives."""
         stream = self.streamer._stream("stdout")
         if self.frozen is None:
@@ -250,7 +262,7 @@ class CellWatch:
             )
         elif self.released:
             self.rebuild_after_release()
-        else:
+        elif not quiet:
             stream.write("notebook_dist: interrupted; every rank is idle and kept its variables.\n")
         stream.flush()
 
@@ -272,6 +284,10 @@ class CellWatch:
             f"was rebuilt ({took:.2f} s). Process groups you made with new_group() must be made again.\n"
         )
         stream.flush()
+
+
+class _StopHung(KeyboardInterrupt):
+    """Internal: ends the watch loop like Ctrl-C would, after a diagnosis (--on-hang stop)."""
 
 
 def _error_line(traceback_text: str, filename: str) -> int | None:

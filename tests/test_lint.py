@@ -21,3 +21,9 @@ def test_ruff_check():
 def test_ruff_format():
     out = _ruff("format", "--check", ".")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_notebooks_lint_with_nbqa():
+    exe = shutil.which("nbqa") or str(Path(sys.executable).with_name("nbqa"))
+    out = subprocess.run([exe, "ruff", "notebooks/"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,8 +1,9 @@
 """binder/ stays consistent with pyproject.toml: same dependencies, the package installed."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 

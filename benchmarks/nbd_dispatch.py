@@ -27,16 +27,15 @@ try:
             ip.run_cell_magic("distributed", "", "pass")
         times.append(time.perf_counter() - t0)
 finally:
-    pm = DistributedMagics._process_manager
-    pids = [p.pid for p in pm.processes] if pm else []
+    import psutil
+
+    # its workers are this process's children: end exactly those, by pid, whatever its
+    # own shutdown leaves behind (it left them running here)
+    workers = psutil.Process().children(recursive=True)
     with capture_output():
         DistributedMagics.shutdown_all()
-    import os
-    import signal
-
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _, alive = psutil.wait_procs(workers, timeout=3)
+    for proc in alive:
+        proc.kill()
+    psutil.wait_procs(alive, timeout=3)
 print("RESULT " + json.dumps({"median": statistics.median(times), "times": times}))

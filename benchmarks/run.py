@@ -69,15 +69,30 @@ def _get(results, path):
     return results
 
 
+CASE_NAMES = ("startup", "dispatch", "transfer", "tracking", "training", "dashboard", "growth")
+
+
+def _dispatch(cluster, shell, capture_output, quick: bool) -> dict:
+    with capture_output():
+        out = cases.dispatch(cluster, shell, 40 if quick else 100)
+    nbd = cases.nbdistributed_dispatch(10 if quick else 30)
+    out["nbdistributed"] = nbd
+    if nbd and "median" in nbd:
+        out["nbdistributed_vs_ours"] = nbd["median"] / out["cell_s"]["median"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     ap.add_argument(
         "--out", default=str(Path(__file__).resolve().parent / "results" / "latest.json")
     )
+    ap.add_argument("--only", default=None, help="comma-separated: " + ",".join(CASE_NAMES))
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    reps = 2 if args.quick else 5
+    quick = args.quick
+    only = set(args.only.split(",")) if args.only else set(CASE_NAMES)
     t_all = time.perf_counter()
     results: dict = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -86,47 +101,39 @@ def main(argv=None) -> int:
     import torch
 
     results["torch"] = torch.__version__
-
-    print("startup ...", flush=True)
-    results["startup"] = cases.startup(max(2, reps - 2))
+    if "startup" in only:
+        print("startup ...", flush=True)
+        results["startup"] = cases.startup(2 if quick else 3)
 
     from IPython.terminal.interactiveshell import TerminalInteractiveShell
     from IPython.utils.capture import capture_output
 
     from notebook_dist import DistCluster, session
 
-    shell = TerminalInteractiveShell.instance()
-    shell.run_line_magic("load_ext", "notebook_dist")
-    cluster = DistCluster(n=2).start()
-    session.set_current(cluster)
-    try:
-        print("dispatch ...", flush=True)
-        with capture_output():
-            results["dispatch"] = cases.dispatch(cluster, shell, 40 if args.quick else 100)
-        nbd = cases.nbdistributed_dispatch(10 if args.quick else 30)
-        results["dispatch"]["nbdistributed"] = nbd
-        if nbd and "median" in nbd:
-            results["dispatch"]["nbdistributed_vs_ours"] = (
-                nbd["median"] / results["dispatch"]["cell_s"]["median"]
-            )
-        print("transfer ...", flush=True)
-        results["transfer"] = cases.transfer(
-            cluster, (1, 16) if args.quick else (1, 16, 256), reps=3
-        )
-        print("tracking ...", flush=True)
-        results["tracking"] = cases.tracking_overhead(cluster, 5 if args.quick else 9)
-        print("training ...", flush=True)
-        results["training"] = cases.training(
-            cluster, 200 if args.quick else 400, 2 if args.quick else 3
-        )
-        print("dashboard ...", flush=True)
-        results["dashboard"] = cases.dashboard_overhead(
-            cluster, 200 if args.quick else 400, 2 if args.quick else 4
-        )
-    finally:
-        session.shutdown()
-    print("growth ...", flush=True)
-    results["growth"] = cases.growth(20 if args.quick else 50)
+    on_cluster = {
+        "dispatch": lambda c: _dispatch(c, shell, capture_output, quick),
+        "transfer": lambda c: cases.transfer(c, (1, 16) if quick else (1, 16, 256), reps=3),
+        "tracking": lambda c: cases.tracking_overhead(c, 5 if quick else 9),
+        "training": lambda c: cases.training(c, 200 if quick else 400, 2 if quick else 3),
+        "dashboard": lambda c: cases.dashboard_overhead(
+            c, 200 if quick else 400, 2 if quick else 4
+        ),
+    }
+    if only & set(on_cluster):
+        shell = TerminalInteractiveShell.instance()
+        shell.run_line_magic("load_ext", "notebook_dist")
+        cluster = DistCluster(n=2).start()
+        session.set_current(cluster)
+        try:
+            for name, fn in on_cluster.items():
+                if name in only:
+                    print(f"{name} ...", flush=True)
+                    results[name] = fn(cluster)
+        finally:
+            session.shutdown()
+    if "growth" in only:
+        print("growth ...", flush=True)
+        results["growth"] = cases.growth(20 if quick else 50)
     results["total_s"] = time.perf_counter() - t_all
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +145,7 @@ def main(argv=None) -> int:
         text = "n/a" if value is None else f"{value:.3f}"
         met = "-" if value is None else ("yes" if ok(value) else "NO")
         print(f"{label:55s} {text:>8s}  {target:>8s}  {met}")
-    for key, t in results["transfer"].items():
+    for key, t in results.get("transfer", {}).items():
         extra = (
             f", {t['vs_ipyparallel_pull']:.1f}x ipyparallel's pull"
             if "vs_ipyparallel_pull" in t
@@ -148,7 +155,7 @@ def main(argv=None) -> int:
             f"transfer {key:14s} value {t['value_vs_copy']:.2f}x copy, gather {t['gather_vs_copy']:.2f}x, "
             f"push {t['push_vs_copy']:.2f}x (target >= 0.5x){extra}"
         )
-    for n, g in results["growth"].items():
+    for n, g in results.get("growth", {}).items():
         print(
             f"growth {n}: dispatch {g['dispatch_ms']:.1f} ms, gather 16 MB per rank {g['gather_16MB_each_ms']:.0f} ms"
         )

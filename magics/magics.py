@@ -21,6 +21,10 @@ class DistMagics(Magics):
 
     _autodist_on = False
 
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self._exportable: dict = {}  # In[N] -> ExportCell, for %dist_export
+
     # ---- cluster -------------------------------------------------------------------
 
     @magic_arguments()
@@ -266,6 +270,12 @@ class DistMagics(Magics):
         finally:
             if feed is not None and cluster.last_watch is not None:
                 feed.close(cluster.last_watch)
+        from notebook_dist.export import ExportCell
+
+        number = self.shell.displayhook.prompt_count
+        self._exportable[number] = ExportCell(
+            number, "distributed", cell, ranks, ok=not result.errors
+        )
         for name, values in result.gathered.items():
             self.shell.user_ns[name] = values
         result.raise_for_errors()
@@ -377,6 +387,64 @@ class DistMagics(Magics):
                     else "."
                 )
             )
+
+    # ---- export ----------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("file", help="the script to write, e.g. train.py")
+    @argument("--cells", default=None, help="cell numbers to export, e.g. 3-7,9 (default: all)")
+    @line_magic
+    def dist_export(self, line: str = ""):
+        """Write the distributed cells that ran, in order, as a script for torchrun.
+
+        In [12]: %dist_export train.py
+        wrote train.py: 4 distributed cells. Run it with: torchrun --nproc_per_node=2 train.py
+
+        %%rank cells become ``if dist.get_rank() in (...)`` blocks; kernel cells are kept
+        as comments; cells that raised are left out (as comments).
+        """
+        args = parse_argstring(self.dist_export, line)
+        from notebook_dist.export import ExportCell, select_cells, to_script
+
+        cluster = session.current()
+        world_size = cluster.world_size if cluster is not None else 2
+        raw = self.shell.history_manager.input_hist_raw
+        cells = []
+        for n in range(1, len(raw)):
+            if n in self._exportable:
+                cell = self._exportable[n]
+                if not cell.ok:
+                    cell = ExportCell(
+                        n, "kernel", "(raised on the ranks in the notebook)\n" + cell.source
+                    )
+                cells.append(cell)
+                continue
+            text = raw[n].strip()
+            lines = [ln for ln in text.splitlines() if ln.strip()]
+            if (
+                not lines
+                or all(ln.lstrip().startswith("%") for ln in lines)
+                or text.startswith("%%")
+            ):
+                continue  # magics (%dist_init, %%rank that failed to parse, ...)
+            cells.append(ExportCell(n, "kernel", text))
+        try:
+            chosen = select_cells(cells, args.cells)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        n_dist = sum(c.kind == "distributed" for c in chosen)
+        if not n_dist:
+            raise UsageError(
+                "no distributed cell has run yet (or none in --cells): nothing to export"
+            )
+        import os
+
+        with open(args.file, "w") as f:
+            f.write(to_script(chosen, world_size, os.path.basename(args.file)))
+        print(
+            f"wrote {args.file}: {n_dist} distributed cell{'s' if n_dist != 1 else ''}. "
+            f"Run it with: torchrun --nproc_per_node={world_size} {args.file}"
+        )
 
     # ---- moving values -------------------------------------------------------------
 

@@ -151,7 +151,9 @@ class DistCluster:
             profile_dir=self._profile_dir,
             controller_ip="127.0.0.1" if self.config.loopback_only else "",
             engine_launcher_class=launch.RankEngineSetLauncher,
+            controller_args=[f"--HeartMonitor.period={int(self.config.heartbeat_ms)}"],
             delay=0.0,
+            send_engines_connection_env=False,  # engines start with the controller and wait for its file
             log=log,
             load_profile=False,
             engine_timeout=int(self.config.start_timeout_s),
@@ -209,6 +211,7 @@ class DistCluster:
                 raise ClusterError(
                     f"rank {rank} could not join the process group: {_remote_message(exc)}"
                 ) from None
+        self.bootstrap_info = infos  # per rank: import_s, init_s (benchmarks read these)
         overridden: dict[str, str] = {}
         for rank, (info, eid) in enumerate(zip(infos, self._engine_ids)):
             self.ranks.append(

@@ -36,6 +36,12 @@ class DistConfig:
     """``auto`` (live widgets in Jupyter, text elsewhere), ``widget``, ``text`` or ``off``;
     ``%%distributed --no-dashboard`` turns it off for one cell."""
 
+    heartbeat_ms: int = 300
+    """ipyparallel's controller heartbeat period. Its default (3 s) makes each engine wait
+    up to one period to finish registering, most of the cluster's start-up time here;
+    an engine is declared dead only after 10 missed beats (3 s at this setting), and the
+    heart runs in a C thread that a busy rank does not block."""
+
     publish_interval_s: float = 0.5
     """How often each rank's agent thread reports its state while a cell runs."""
 

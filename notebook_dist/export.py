@@ -1,0 +1,104 @@
+"""Export the notebook's distributed cells as a script that torchrun runs.
+
+Cells are taken in the order they ran. ``%%rank SPEC`` (and ``--ranks``) cells become
+``if dist.get_rank() in (...):`` blocks; kernel-only cells are kept as comments so the
+script still reads like the notebook; IPython magics inside a cell are commented out.
+``nd.rank``, ``nd.world_size``, ``nd.device`` and ``nd.report`` work under torchrun, so
+the cells run unchanged.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from datetime import datetime
+
+from .ranks import parse_ranks
+
+
+@dataclass(frozen=True)
+class ExportCell:
+    number: int  # the notebook's In[N]
+    kind: str  # "distributed" or "kernel"
+    source: str  # the cell body (no magic line)
+    ranks: str = "all"  # the --ranks / %%rank spec
+    ok: bool = True
+
+
+HEADER = '''\
+"""Exported from a notebook_dist session on {date} by %dist_export.
+
+Run it the way the notebook ran it:
+    torchrun --nproc_per_node={world_size} {name}
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import notebook_dist as nd
+
+if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+else:
+    dist.init_process_group("gloo")
+'''
+
+FOOTER = """
+dist.destroy_process_group()
+"""
+
+
+def _python_lines(source: str) -> str:
+    """The cell with IPython-only lines (magics, shell escapes) commented out."""
+    out = []
+    for line in source.splitlines():
+        stripped = line.lstrip()
+        if stripped.startswith(("%", "!")):
+            indent = line[: len(line) - len(stripped)]
+            out.append(f"{indent}# (IPython, not exported) {stripped}")
+        else:
+            out.append(line)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def to_script(cells: list[ExportCell], world_size: int, name: str = "script.py") -> str:
+    parts = [
+        HEADER.format(
+            date=datetime.now().strftime("%Y-%m-%d %H:%M"), world_size=world_size, name=name
+        )
+    ]
+    for cell in cells:
+        if cell.kind == "kernel":
+            body = "\n".join(f"# {ln}" if ln else "#" for ln in cell.source.rstrip().splitlines())
+            parts.append(
+                f"\n# ---- In [{cell.number}]: ran in the notebook kernel, not on the ranks ----\n{body}\n"
+            )
+            continue
+        body = _python_lines(cell.source)
+        ranks = parse_ranks(cell.ranks, world_size)
+        if ranks == list(range(world_size)):
+            parts.append(f"\n# ---- In [{cell.number}] ----\n{body}")
+        else:
+            spec = ", ".join(map(str, ranks)) + ("," if len(ranks) == 1 else "")
+            parts.append(
+                f"\n# ---- In [{cell.number}]: %%rank {cell.ranks} ----\nif dist.get_rank() in ({spec}):\n"
+                + textwrap.indent(body, "    ")
+            )
+    parts.append(FOOTER)
+    return "".join(parts)
+
+
+def select_cells(cells: list[ExportCell], spec: str | None) -> list[ExportCell]:
+    """``--cells 3-7,9`` keeps the cells whose In[N] is in the spec (all by default)."""
+    if not spec:
+        return list(cells)
+    wanted: set[int] = set()
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad --cells {spec!r}: give cell numbers like 3-7,9")
+        wanted.update(range(int(lo), int(hi or lo) + 1))
+    return [c for c in cells if c.number in wanted]

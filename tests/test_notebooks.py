@@ -152,3 +152,11 @@ def test_notebooks_are_stored_clean():
                 assert cell["outputs"] == [] and cell["execution_count"] is None, (
                     f"stale output in {path.name}"
                 )
+
+
+def test_07_beyond(run_notebook):
+    nb = run_notebook("07_beyond_the_notebook")
+    text = "\n".join(_texts(c) for c in nb.cells if c.cell_type == "code")
+    assert "'LOCAL_WORLD_SIZE': '2'" in text
+    assert "wrote train.py: 4 distributed cells" in text and "if dist.get_rank() in (0,):" in text
+    assert "the torchrun script trained the same model: True" in text

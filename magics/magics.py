@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -13,6 +15,17 @@ from notebook_dist.errors import PreflightError, RankSpecError
 
 def _usage(exc: Exception) -> UsageError:
     return UsageError(str(exc))
+
+
+@contextmanager
+def _usage_errors():
+    """Bad input (a rank spec, an expression, a rank that did not fail) as a UsageError."""
+    from notebook_dist.inspect import InspectError
+
+    try:
+        yield
+    except (RankSpecError, InspectError) as exc:
+        raise _usage(exc) from None
 
 
 @magics_class
@@ -387,6 +400,75 @@ class DistMagics(Magics):
                     else "."
                 )
             )
+
+    # ---- inspection ------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument("expr", nargs="+", help="a Python expression, evaluated on every rank")
+    @argument(
+        "--ranks", default="all", help="ranks to compare (default all); the first is the reference"
+    )
+    @argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
+    @argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
+    @line_magic
+    def dist_compare(self, line: str = ""):
+        """Do the ranks agree on EXPR? Only what differs is listed.
+
+        In [10]: %dist_compare model
+        1 of 4 entries differ from rank 0 (exactly):
+          0.weight  ranks 1: max abs diff 0.031, max rel diff 0.9
+
+        Tensors, modules (their state_dict), optimizers and containers are compared
+        leaf by leaf; large tensors are compared on the ranks, not sent to the notebook.
+        """
+        args = parse_argstring(self.dist_compare, line)
+        cluster = self._live_cluster()
+        with _usage_errors():
+            return cluster.compare(" ".join(args.expr), args.ranks, args.atol, args.rtol)
+
+    @magic_arguments()
+    @argument("expr", nargs="*", help="an expression to evaluate in that frame")
+    @argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the rank to look at (default: the first that raised)",
+    )
+    @argument(
+        "--frame",
+        type=int,
+        default=0,
+        help="0 is where it raised; 1, 2, ... walk up to the callers",
+    )
+    @line_magic
+    def dist_debug(self, line: str = ""):
+        """Post-mortem of the last cell: the failing frame on a rank, its locals, and EXPR there.
+
+        In [11]: %dist_debug --rank 1 x
+        rank 1 raised ZeroDivisionError: division by zero
+        frame 0 of 2 (0 = where it raised): Cell In[10], line 3, in f
+        locals:
+          x = 0
+        => 0
+        """
+        args = parse_argstring(self.dist_debug, line)
+        cluster = self._live_cluster()
+        with _usage_errors():
+            return cluster.debug(args.rank, " ".join(args.expr) or None, args.frame)
+
+    @magic_arguments()
+    @argument("expr", nargs="+", help="a Python expression, evaluated on every rank")
+    @argument("--ranks", default="all", help="ranks to ask (default all)")
+    @line_magic
+    def dist_inspect(self, line: str = ""):
+        """EXPR on every rank, side by side, without running a cell.
+
+        In [12]: %dist_inspect loss.item()
+        """
+        args = parse_argstring(self.dist_inspect, line)
+        cluster = self._live_cluster()
+        with _usage_errors():
+            return cluster.inspect(" ".join(args.expr), args.ranks)
 
     # ---- export ----------------------------------------------------------------------
 

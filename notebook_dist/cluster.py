@@ -513,6 +513,26 @@ class DistCluster:
             raise TransferError("; ".join(problems))
         return {name: RankValues(v, name=name) for name, v in out.items()}
 
+    # ---- inspection (notebook_dist.inspect) ----------------------------------------
+
+    def compare(self, expr: str, ranks: Any = None, atol: float = 0.0, rtol: float = 0.0):
+        """What differs across ranks in EXPR (a tensor, module, optimizer or container)."""
+        from .inspect import compare
+
+        return compare(self, expr, ranks, atol, rtol)
+
+    def inspect(self, expr: str, ranks: Any = None) -> RankValues:
+        """EXPR evaluated on each rank, without running a cell."""
+        from .inspect import inspect
+
+        return inspect(self, expr, ranks)
+
+    def debug(self, rank: int | None = None, expr: str | None = None, frame: int = 0):
+        """Post-mortem: the frame where ``rank`` raised in the last cell, its locals, EXPR there."""
+        from .inspect import debug
+
+        return debug(self, rank, expr, frame)
+
     # ---- status --------------------------------------------------------------------
 
     def status(self) -> list[dict[str, Any]]:

@@ -142,6 +142,16 @@ class RankValues(Mapping):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def compare(self, atol: float = 0.0, rtol: float = 0.0):
+        """Which entries differ across ranks (tensors, modules, optimizers, containers).
+
+        >>> params.compare().agree
+        True
+        """
+        from .compare import compare_local
+
+        return compare_local(self._data, atol=atol, rtol=rtol)
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{r}: {_short_repr(v)}" for r, v in self._data.items())
         return f"RankValues({{{inner}}})"

@@ -65,6 +65,7 @@ def run_cell(
     result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
     TRACKER.reset_cell()
     STATE.reset_cell(time.time(), token)
+    STATE.last_error = None  # %dist_debug looks at the last cell only
     try:
         tree = ast.parse(code, filename=filename)
         ast.increment_lineno(tree, first_line - 1)

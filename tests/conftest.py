@@ -78,23 +78,27 @@ def cluster2(ip, run):
     """The shell's cluster: 2 CPU ranks on Gloo, shared by the tests that only run cells."""
     from notebook_dist import session
 
-    out = run("%dist_init -n 2 --backend gloo")
-    assert out.error is None, out.output
-    cluster = session.current()
-    pids = [r.pid for r in cluster.ranks]
-    yield cluster
+    started: list = []
+
+    def ensure():
+        cluster = session.current()
+        if cluster is None or cluster.world_size != 2 or cluster.dead_ranks():
+            out = run("%dist_init -n 2 --backend gloo")
+            assert out.error is None, out.output
+            cluster = session.current()
+            started.append([r.pid for r in cluster.ranks])
+        return cluster
+
+    yield ensure
     session.shutdown()
-    assert pids_alive(pids) == [], "engines left running after shutdown"
+    for pids in started:
+        assert pids_alive(pids) == [], "engines left running after shutdown"
 
 
 @pytest.fixture
 def live(cluster2):
-    """The shared cluster, restarted if an earlier test left it unusable."""
-    from notebook_dist import session
-
-    if session.current() is not cluster2:
-        pytest.fail("the shared cluster was replaced or stopped by an earlier test")
-    return cluster2
+    """The shared 2-rank cluster; a fresh one if an earlier test replaced or broke it."""
+    return cluster2()
 
 
 def python_exe() -> str:

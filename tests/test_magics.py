@@ -276,3 +276,33 @@ def test_magic_help_is_available(ip):
 def test_magics_refuse_stray_arguments(live, run, line):
     out = run(line)
     assert type(out.error).__name__ == "UsageError"
+
+
+def test_overridden_environment_is_named():
+    import os
+
+    from notebook_dist import DistCluster
+
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+    try:
+        with DistCluster(n=1) as c:
+            assert c.notes == [
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING was '3' in your environment; ranks use '2' (see notebook_dist.config)"
+            ]
+            assert dict(
+                c.run("import os\nos.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING']").values
+            ) == {0: "2"}
+    finally:
+        del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+
+
+def test_init_with_other_arguments_says_what_it_replaces(live, run):
+    from notebook_dist import session
+
+    out = run("%dist_init -n 1")
+    assert out.error is None, out.output
+    assert out.stdout.splitlines()[0] == (
+        "notebook_dist: replacing the running cluster (2 ranks, gloo) with 1 ranks, gloo; its ranks' variables are lost."
+    )
+    assert session.current().world_size == 1 and not live.running
+    # the next test that needs the shared cluster gets a fresh 2-rank one (see conftest.live)

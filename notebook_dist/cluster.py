@@ -13,6 +13,7 @@ Ranks are positions in the cluster's ordered engine list, never raw engine ids
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -34,7 +35,7 @@ from .reaper import Reaper
 from .runtime import bootstrap as rt_bootstrap
 from .runtime import cell as rt_cell
 from .runtime import recover as rt_recover
-from .values import RankValues, pack_named, unpack
+from .values import RankValues, pack_named, shm_dir_for, unpack
 from .watch import CellWatch
 
 log = logging.getLogger("notebook_dist")
@@ -99,6 +100,7 @@ class DistCluster:
         self._profile_dir: str | None = None
         self._state = "new"
         self.last_watch: CellWatch | None = None
+        self.shm_dir: str | None = None  # tmpfs folder for large tensors (local clusters)
         #: cells that ran cleanly on every rank since start, for %dist_restart --replay
         self.history: list[PreparedCell] = []
 
@@ -132,6 +134,10 @@ class DistCluster:
             raise
         self.startup_s = time.perf_counter() - t0
         self._state = "running"
+        if self.config.loopback_only:  # every rank is on this machine: tensors go through tmpfs
+            self.shm_dir = shm_dir_for(self._cluster.cluster_id)
+            if self.shm_dir and self._reaper is not None:
+                self._reaper.remove_on_exit(self.shm_dir)
         return self
 
     def _start_processes(self) -> None:
@@ -253,8 +259,9 @@ class DistCluster:
         end_processes({pid: process_start_time(pid) for pid in pids if pid})
         if self._reaper is not None:
             self._reaper.release()
-        if self._profile_dir:
-            shutil.rmtree(self._profile_dir, ignore_errors=True)
+        for path in (self._profile_dir, self.shm_dir):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
         self._state = "stopped"
 
     def _all_launchers(self) -> list:
@@ -377,6 +384,7 @@ class DistCluster:
                 gather,
                 prepared.want_value,
                 token,
+                self.shm_dir,
             ),
         )
         watch = self.last_watch = CellWatch(
@@ -487,14 +495,20 @@ class DistCluster:
                 raise TransferError(f"{name!r} is not a valid Python name")
         for name, value in values.items():
             pack_named(name, value, "the notebook")  # precise error before sending anything
-        frames = pack_named(", ".join(values), dict(values), "the notebook")
-        self.apply(rt_cell.push_values, *frames, ranks=ranks)
+        files: list[str] = []  # read by every rank: removed here once all have
+        frames = pack_named(", ".join(values), dict(values), "the notebook", self.shm_dir, files)
+        try:
+            self.apply(rt_cell.push_values, *frames, ranks=ranks)
+        finally:
+            for path in files:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def pull(self, names: list[str] | str, ranks: Any = None) -> dict[str, RankValues]:
         """Fetch variables from the selected ranks: name -> RankValues."""
         if isinstance(names, str):
             names = [names]
-        results = self.apply(rt_cell.pull_values, list(names), ranks=ranks)
+        results = self.apply(rt_cell.pull_values, list(names), self.shm_dir, ranks=ranks)
         out: dict[str, dict[int, Any]] = {n: {} for n in names}
         missing: dict[str, list[int]] = {}
         problems = []

@@ -208,12 +208,14 @@ def diagnose(
             waiting = f"{max(0.0, now - coll['t0']):.1f} s"
         else:
             at, _ = _stack_line(snap.get("stack"), cell_file)
-            state = (
-                "in backward (DDP/FSDP collectives)"
-                if _in_backward(snap.get("stack"))
-                else "running Python"
-            )
-            op, shapes, where, waiting = "", "", at, ""
+            internal = snap.get("internal")  # a collective torch issued itself (Flight Recorder)
+            if _in_backward(snap.get("stack")):
+                state = "in backward (DDP/FSDP collectives)"
+            else:
+                state = "in an internal collective" if internal else "running Python"
+            op = f"{internal['op']} (torch)" if internal else ""
+            shapes = ", ".join(str(tuple(x)) for x in (internal or {}).get("sizes") or [])
+            where, waiting = at, ""
         rows.append(
             {
                 "rank": r,

@@ -9,14 +9,18 @@ in-band pickling (about 20x slower here). Tensors arrive on the CPU, bfloat16 in
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import cloudpickle
 
 from .errors import TransferError
+
+SHM_MIN_BYTES = 1 << 20
 
 
 def _rebuild_tensor(buf, dtype_name: str, shape: tuple, requires_grad: bool, parameter: bool):
@@ -39,18 +43,30 @@ def _rebuild_tensor(buf, dtype_name: str, shape: tuple, requires_grad: bool, par
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with plain dense tensors sent as out-of-band raw bytes."""
+    """cloudpickle, with plain dense tensors sent as raw bytes: out of band, or through
+    a shared-memory file when the other side is on this machine (``shm_dir``)."""
+
+    shm_dir: str | None = None
+    shm_min_bytes = SHM_MIN_BYTES
+    #: True: the one reader deletes each file; False: several readers (a push to many
+    #: ranks), and the writer deletes ``shm_files`` once all of them have read
+    shm_consume = True
+    shm_files: list[str] = []
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
-            reduced = _reduce_tensor(torch, obj)
+            reduced = _reduce_tensor(torch, obj, self.shm_dir, self.shm_min_bytes, self.shm_consume)
             if reduced is not None:
+                if reduced[0] is _rebuild_tensor_from_file:
+                    self.shm_files.append(reduced[1][0])
                 return reduced
         return super().reducer_override(obj)
 
 
-def _reduce_tensor(torch, t):
+def _reduce_tensor(
+    torch, t, shm_dir: str | None = None, shm_min_bytes: int = SHM_MIN_BYTES, consume: bool = True
+):
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return None
     if getattr(t, "is_nested", False) or t.is_complex() and t.is_conj():
@@ -60,24 +76,75 @@ def _reduce_tensor(torch, t):
         data = data.cpu()
     data = data.contiguous()
     arr = data.reshape(-1).view(torch.uint8).numpy()
-    dtype_name = str(data.dtype).removeprefix("torch.")
-    return (
-        _rebuild_tensor,
-        (
-            pickle.PickleBuffer(arr),
-            dtype_name,
-            tuple(data.shape),
-            bool(t.requires_grad),
-            isinstance(t, torch.nn.Parameter),
-        ),
+    meta = (
+        str(data.dtype).removeprefix("torch."),
+        tuple(data.shape),
+        bool(t.requires_grad),
+        isinstance(t, torch.nn.Parameter),
     )
+    if shm_dir is not None and arr.nbytes >= shm_min_bytes:
+        path = _write_shm(shm_dir, arr)
+        if path is not None:
+            return (_rebuild_tensor_from_file, (path, arr.nbytes, *meta, consume))
+    return (_rebuild_tensor, (pickle.PickleBuffer(arr), *meta))
 
 
-def pack(obj: Any) -> list:
-    """Serialise ``obj`` to ``[header, *buffers]`` (buffers are memoryviews, not copies)."""
+def _write_shm(shm_dir: str, arr) -> str | None:
+    """One copy into a tmpfs file; None (use the socket) when there is no room."""
+    try:
+        st = os.statvfs(shm_dir)
+        if st.f_bavail * st.f_frsize < 2 * arr.nbytes:  # Docker's /dev/shm is often 64 MB
+            return None
+        fd, path = tempfile.mkstemp(dir=shm_dir, prefix="t-")
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            f.write(memoryview(arr))
+    except OSError:
+        os.unlink(path)
+        return None
+    return path
+
+
+def _rebuild_tensor_from_file(
+    path: str,
+    nbytes: int,
+    dtype_name: str,
+    shape: tuple,
+    requires_grad: bool,
+    parameter: bool,
+    consume: bool = True,
+):
+    import torch
+
+    try:
+        # a private mapping of the file: no copy now, and the pages stay ours once unlinked
+        raw = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    finally:
+        if consume:
+            os.unlink(path)
+    t = raw.view(getattr(torch, dtype_name)).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad and t.is_floating_point():
+        t.requires_grad_(True)
+    return t
+
+
+def pack(obj: Any, shm_dir: str | None = None, files: list[str] | None = None) -> list:
+    """Serialise ``obj`` to ``[header, *buffers]`` (buffers are memoryviews, not copies).
+
+    With ``shm_dir`` (a tmpfs folder both sides can read), tensors of 1 MiB and more
+    travel as files there instead: one copy, no socket, no relay through the controller.
+    """
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    pickler = _Pickler(f, protocol=5, buffer_callback=buffers.append)
+    pickler.shm_dir = shm_dir
+    pickler.shm_files = files if files is not None else []
+    pickler.shm_consume = files is None  # a caller that keeps the list deletes the files
+    pickler.dump(obj)
     return [f.getvalue(), *(b.raw() for b in buffers)]
 
 
@@ -91,10 +158,22 @@ def describe_unpicklable(obj: Any, exc: BaseException) -> str:
     return f"a {type(obj).__module__}.{type(obj).__qualname__} cannot be pickled ({type(exc).__name__}: {exc})"
 
 
-def pack_named(name: str, obj: Any, where: str) -> list:
+def shm_dir_for(cluster_id: str) -> str | None:
+    """A private tmpfs folder for one cluster's transfers, or None where there is none."""
+    base = "/dev/shm"
+    if not os.path.isdir(base) or not os.access(base, os.W_OK):
+        return None
+    path = os.path.join(base, f"notebook_dist-{cluster_id}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def pack_named(
+    name: str, obj: Any, where: str, shm_dir: str | None = None, files: list[str] | None = None
+) -> list:
     """:func:`pack`, with an error naming the variable and where it lives."""
     try:
-        return pack(obj)
+        return pack(obj, shm_dir, files)
     except Exception as exc:  # pickling raises many types
         raise TransferError(f"{name!r} on {where}: {describe_unpicklable(obj, exc)}") from None
 

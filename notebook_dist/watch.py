@@ -53,7 +53,9 @@ class CellWatch:
         client = cluster._client
         self.metadata = [client.metadata[mid] for mid in ar.msg_ids]
         self.futures = list(ar._children)  # one per rank, in rank order
-        self.streamer = OutputStreamer(list(zip(ranks, self.metadata)), out, err)
+        self.streamer = OutputStreamer(
+            list(zip(ranks, self.metadata)), out, err, log_name=prepared.filename
+        )
         self.out = out
         self.hang_after = hang_after
         self.on_update = on_update

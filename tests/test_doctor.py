@@ -156,6 +156,8 @@ def test_uneven_data_in_a_ddp_loop(cluster):
         "rank 1 finished the cell: the ranks ran different numbers of steps (uneven data per rank)"
         in diag.verdict
     )
+    # the gradient all_reduce DDP issued itself, seen through the Flight Recorder
+    assert diag.rows[0]["op"] == "all_reduce (torch)" and diag.rows[0]["shapes"] == "(5,)"
     assert_recovered(cluster)
 
 

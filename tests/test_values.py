@@ -140,3 +140,56 @@ def test_rank_values_pretty_one_row_per_rank():
         "[rank 0] tensor([0., 0.])",
         "[rank 1] tensor([1., 1.])",
     ]
+
+
+@pytest.fixture
+def shm(tmp_path):
+    import os
+    import tempfile
+
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    d = tempfile.mkdtemp(dir=base, prefix="nd-test-")
+    yield d
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shared_memory_path_every_dtype(shm, dtype):
+    import os
+
+    t = _make(dtype, shape=(1024, 600))  # >= 1 MiB for most dtypes
+    frames = pack({"t": t, "small": torch.ones(2)}, shm)
+    big = t.numel() * t.element_size() >= 2**20
+    assert len(frames) == (1 if big else 2) + 1  # the small tensor still travels out of band
+    assert len(os.listdir(shm)) == (1 if big else 0)
+    back = unpack(frames)
+    assert back["t"].dtype == dtype and torch.equal(back["t"], t)
+    assert os.listdir(shm) == []  # the reader removed the file
+    back["t"].view(-1)[0] = 0  # ours to write
+
+
+def test_shared_memory_for_several_readers(shm):
+    import os
+
+    t = torch.randn(2**19)
+    files: list[str] = []
+    frames = pack(t, shm, files)
+    assert len(files) == 1 and os.path.exists(files[0])
+    a, b = unpack(frames), unpack(frames)  # two ranks read the same push
+    a += 1  # copy-on-write: the other reader's tensor is untouched
+    assert torch.equal(b, t) and torch.equal(a, t + 1)
+
+
+def test_shared_memory_falls_back_when_there_is_no_room(shm, monkeypatch):
+    import os
+
+    class Full:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Full())
+    t = torch.randn(2**19)
+    frames = pack(t, shm)
+    assert len(frames) == 2 and os.listdir(shm) == []  # went out of band instead
+    assert torch.equal(unpack(frames), t)

@@ -60,11 +60,62 @@ def _gpu_memory() -> tuple[int, int] | None:
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
+def in_flight_internal() -> dict[str, Any] | None:
+    """The oldest collective torch issued that has not completed (DDP's gradient
+    all_reduce, FSDP's gathers), from the Flight Recorder: those never pass our wrappers.
+
+    On Gloo an entry's own state stays "scheduled"; the group's last completed sequence
+    number tells which are still in flight.
+    """
+    torch = sys.modules.get("torch")
+    dump = getattr(
+        getattr(getattr(torch, "_C", None), "_distributed_c10d", None), "_dump_fr_trace_json", None
+    )
+    if dump is None:
+        return None
+    import json
+
+    try:
+        trace = json.loads(dump(True, False))
+    except Exception:
+        return None
+    done = {
+        pg: int(st.get("last_completed_collective", -1))
+        for pg, st in (trace.get("pg_status") or {}).items()
+    }
+    for entry in trace.get("entries") or []:
+        pg = str(entry.get("pg_id"))
+        if entry.get("collective_seq_id", -1) > done.get(pg, -1):
+            return {
+                "op": str(entry.get("profiling_name", "?")).split(":")[-1],
+                "seq": entry.get("collective_seq_id"),
+                "sizes": entry.get("input_sizes"),
+                "dtypes": entry.get("input_dtypes"),
+                "group": (entry.get("process_group") or [pg, ""])[-1],
+            }
+    return None
+
+
+_last_stack: dict[str, Any] = {"key": None, "since": 0.0}
+
+
 def snapshot(with_stack: bool = True) -> dict[str, Any]:
     now = time.time()
     current = TRACKER.current
     wait_s = TRACKER.wait_s + (now - current["t0"] if current else 0.0)
+    stack = main_stack() if with_stack else []
+    internal = None
+    if stack and current is None:
+        # the same line for a second or more, outside our wrappers: ask the Flight
+        # Recorder whether torch has a collective of its own in flight (cheap, but not
+        # free, so not on every snapshot of a rank that is moving)
+        key = (stack[-1]["file"], stack[-1]["line"], len(stack))
+        if key != _last_stack["key"]:
+            _last_stack.update(key=key, since=now)
+        elif now - _last_stack["since"] >= 1.0:
+            internal = in_flight_internal()
     return {
+        "internal": internal,
         "rank": STATE.rank,
         "pid": os.getpid(),
         "time": now,
@@ -74,7 +125,7 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
         "history": [dict(r) for r in list(TRACKER.history)[-8:]],
         "collectives_done": TRACKER.count,
         "wait_s": wait_s,
-        "stack": main_stack() if with_stack else [],
+        "stack": stack,
         "rss": _rss_bytes(),
         "gpu": _gpu_memory(),
         "metrics": dict(STATE.metrics),

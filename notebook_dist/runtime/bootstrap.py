@@ -112,16 +112,7 @@ def bootstrap(
     if dist.is_initialized():
         dist.destroy_process_group()
     recover.remember_preexisting_sockets()
-    kwargs: dict[str, Any] = dict(
-        backend=backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    if backend == "nccl":
-        kwargs["device_id"] = torch.device(device)
-    _original_init(**kwargs)
+    init_default_group(backend, rank, world_size, timeout_s, device)
 
     STATE.rank = rank
     STATE.world_size = world_size
@@ -152,6 +143,45 @@ def bootstrap(
         "init_s": time.perf_counter() - t0,
         "overridden": overridden,
     }
+
+
+def rendezvous_store(rank: int, world_size: int, timeout_s: float):
+    """The TCPStore at MASTER_ADDR:MASTER_PORT, rank 0 hosting it.
+
+    torch's own store listens on every interface; ours is handed a socket bound to
+    MASTER_ADDR only (127.0.0.1 on one machine), so nothing is exposed by default.
+    """
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(128)
+    fd = sock.detach()  # the store owns the descriptor from now on
+    return dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True)
+
+
+def init_default_group(
+    backend: str, rank: int, world_size: int, timeout_s: float, device: str
+) -> None:
+    """torch's init_process_group on our loopback-bound store (also after a rebuild)."""
+    import torch
+
+    kwargs: dict[str, Any] = dict(
+        backend=backend,
+        store=rendezvous_store(rank, world_size, timeout_s),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device(device)
+    original_init_process_group()(**kwargs)
 
 
 def _enable_fault_report(path: str) -> None:

@@ -50,6 +50,7 @@ def run_cell(
     gather: list[str],
     want_value: bool,
     token: str = "",
+    shm_dir: str | None = None,
 ) -> list:
     """Execute ``code`` in the rank's namespace; return ``pack(result)``.
 
@@ -101,7 +102,7 @@ def run_cell(
     result["gather"] = gathered
     result["missing"] = missing
     try:
-        return pack(result)
+        return pack(result, shm_dir)
     except Exception:
         pass
     # find exactly what cannot travel, and say so
@@ -127,7 +128,7 @@ def run_cell(
             "evalue": msg,
             "traceback": f"TransferError: {msg}\n",
         }
-    return pack(result)
+    return pack(result, shm_dir)
 
 
 def run_cell_request(request: tuple) -> list:
@@ -145,7 +146,7 @@ def push_values(*frames: Any) -> list[str]:
     return sorted(values)
 
 
-def pull_values(names: list[str]) -> list:
+def pull_values(names: list[str], shm_dir: str | None = None) -> list:
     """Pack ``{name: value}`` for the names asked; missing or unpicklable ones are reported."""
     ns = user_namespace()
     found, missing, bad = {}, [], {}
@@ -159,4 +160,6 @@ def pull_values(names: list[str]) -> list:
             bad[name] = describe_unpicklable(ns[name], exc)
             continue
         found[name] = ns[name]
-    return pack({"rank": STATE.rank, "values": found, "missing": missing, "unpicklable": bad})
+    return pack(
+        {"rank": STATE.rank, "values": found, "missing": missing, "unpicklable": bad}, shm_dir
+    )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from datetime import timedelta
 
 from .state import STATE
 
@@ -95,7 +94,6 @@ def abort_collectives() -> int:
 
 def reinit(master_port: int) -> dict:
     """Destroy the (broken) default group and make a fresh one on ``master_port``."""
-    import torch
     import torch.distributed as dist
 
     from . import bootstrap
@@ -105,14 +103,7 @@ def reinit(master_port: int) -> dict:
         dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(master_port)
     remember_preexisting_sockets()
-    kwargs = dict(
-        backend=STATE.backend,
-        init_method="env://",
-        rank=STATE.rank,
-        world_size=STATE.world_size,
-        timeout=timedelta(seconds=STATE.timeout_s or 300),
+    bootstrap.init_default_group(
+        STATE.backend, STATE.rank, STATE.world_size, STATE.timeout_s or 300, STATE.device
     )
-    if STATE.backend == "nccl":
-        kwargs["device_id"] = torch.device(STATE.device)
-    bootstrap.original_init_process_group()(**kwargs)
     return {"rank": STATE.rank, "reinit_s": time.perf_counter() - t0}

@@ -1,0 +1,85 @@
+"""Hardening: huge outputs are capped (with the full log kept), nothing listens off loopback."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+
+import psutil
+
+
+def test_a_hundred_thousand_lines_are_capped_with_the_full_log_kept(live):
+    out = io.StringIO()
+    r = live.run(
+        "if nd.rank == 1:\n    for i in range(100_000):\n        print('line', i)\nprint('done')",
+        out=out,
+    )
+    assert not r.errors
+    lines = out.getvalue().splitlines()
+    rank1 = [ln for ln in lines if ln.startswith("[rank 1] line ")]
+    assert len(rank1) == 2000 and rank1[-1] == "[rank 1] line 1999"
+    note = next(ln for ln in lines if "output capped" in ln)
+    assert note.startswith("[rank 1] ... output capped: 98,001 more lines of stdout not shown")
+    path = note.rsplit(" are in ", 1)[1]
+    with open(path) as f:
+        logged = f.read().splitlines()
+    assert logged[0] == "line 0" and logged[99_999] == "line 99999" and logged[-1] == "done"
+    assert "[rank 0] done" in lines  # the other rank is untouched
+    os.unlink(path)
+
+
+def test_one_enormous_line_is_not_shown(live):
+    out = io.StringIO()
+    r = live.run(
+        "import sys\nif nd.rank == 0:\n    sys.stdout.write('x' * 100_000_000 + '\\n')\nprint('after')",
+        out=out,
+    )
+    assert not r.errors
+    text = out.getvalue()
+    assert len(text) < 100_000, "the 100 MB line reached the notebook"
+    note = next(ln for ln in text.splitlines() if "output capped" in ln)
+    path = note.rsplit(" are in ", 1)[1]
+    assert os.path.getsize(path) >= 100_000_000
+    os.unlink(path)
+
+
+def _ours(cluster) -> list[psutil.Process]:
+    pids = [r.pid for r in cluster.ranks] + [
+        cluster._cluster.controller.pid,
+        cluster._reaper.proc.pid,
+    ]
+    return [psutil.Process(p) for p in pids]
+
+
+def test_everything_listens_on_loopback_only(live):
+    live.run(
+        "t = torch.ones(1)\ndist.all_reduce(t)"
+    ).raise_for_errors()  # Gloo pairs and the store are up
+    listening = []
+    for proc in _ours(live):
+        for conn in proc.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                listening.append((proc.pid, conn.laddr.ip, conn.laddr.port))
+    assert listening, "expected the controller and the rendezvous store to listen"
+    exposed = [x for x in listening if x[1] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert exposed == [], f"listening beyond loopback: {exposed}"
+
+
+def test_connection_files_are_private(live):
+    security = os.path.join(live._profile_dir, "security")
+    files = [os.path.join(security, f) for f in os.listdir(security) if f.endswith(".json")]
+    assert files
+    assert stat.S_IMODE(os.stat(live._profile_dir).st_mode) == 0o700  # nobody else can even look
+    with_key = [p for p in files if '"key"' in open(p).read()]
+    assert len(with_key) == 2  # the client's and the engines' connection files
+    for path in with_key:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode == 0o600, f"{path} holds the HMAC key and is {oct(mode)}"
+    import json
+
+    client_file = next(p for p in files if p.endswith("-client.json"))
+    info = json.load(open(client_file))
+    assert (
+        len(info["key"]) >= 32 and info["signature_scheme"] == "hmac-sha256"
+    )  # messages stay signed

@@ -114,9 +114,9 @@ def main(argv=None) -> int:
         "dispatch": lambda c: _dispatch(c, shell, capture_output, quick),
         "transfer": lambda c: cases.transfer(c, (1, 16) if quick else (1, 16, 256), reps=3),
         "tracking": lambda c: cases.tracking_overhead(c, 5 if quick else 9),
-        "training": lambda c: cases.training(c, 200 if quick else 400, 2 if quick else 3),
+        "training": lambda c: cases.training(c, 200 if quick else 1200, 2 if quick else 5),
         "dashboard": lambda c: cases.dashboard_overhead(
-            c, 200 if quick else 400, 2 if quick else 4
+            c, 200 if quick else 1200, 2 if quick else 6
         ),
     }
     if only & set(on_cluster):

@@ -83,3 +83,39 @@ def test_connection_files_are_private(live):
     assert (
         len(info["key"]) >= 32 and info["signature_scheme"] == "hmac-sha256"
     )  # messages stay signed
+
+
+def test_sys_exit_on_a_rank_is_an_error_not_a_dead_engine(live):
+    r = live.run("import sys\nif nd.rank == 1:\n    sys.exit(3)\n'still here'")
+    assert list(r.errors) == [1] and r.errors[1].ename == "SystemExit" and r.errors[1].evalue == "3"
+    assert live.dead_ranks() == {}
+    assert dict(live.run("nd.rank").values) == {0: 0, 1: 1}
+
+
+def test_exit_builtin_on_a_rank(live):
+    r = live.run("if nd.rank == 0:\n    exit()\n1")
+    assert live.dead_ranks() == {}, "exit() in a cell must not end the engine"
+    assert dict(live.run("nd.rank").values) == {0: 0, 1: 1}
+    assert not r.errors and dict(r.values) == {
+        0: 1,
+        1: 1,
+    }  # IPython's exit() only asks; the engine stays
+
+
+def test_segfault_is_reported_with_its_line_and_restart_recovers(live, ip, run):
+    from notebook_dist import session
+    from notebook_dist.errors import ClusterError
+
+    try:
+        live.run(
+            "import signal\nx = 1\nif nd.rank == 1:\n    signal.raise_signal(signal.SIGSEGV)\n",
+            filename="Cell In[77]",
+            header="%%distributed",
+        )
+        raise AssertionError("expected the rank's death to be reported")
+    except ClusterError as exc:
+        assert str(exc).startswith("rank 1 was killed by SIGSEGV at line 5.")
+    out = run("%dist_restart")
+    assert out.error is None, out.output
+    fresh = session.current()
+    assert dict(fresh.run("nd.rank").values) == {0: 0, 1: 1}

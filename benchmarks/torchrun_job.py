@@ -35,4 +35,5 @@ elif mode == "train":
     elapsed = time.perf_counter() - t0
     if dist.get_rank() == 0:
         print(f"RESULT {steps / elapsed}")
+dist.barrier()
 dist.destroy_process_group()

@@ -605,11 +605,10 @@ class DistCluster:
         columns: tuple[str, ...] = ("rank", "host", "pid", "device", "backend"),
     ) -> str:
         """The rank table as fixed-width text."""
+        from .table import format_table
+
         rows = [{c: getattr(r, c) for c in columns} for r in self.ranks] if rows is None else rows
-        widths = {c: max(len(c), *(len(str(row[c])) for row in rows)) for c in columns}
-        head = "  ".join(c.ljust(widths[c]) for c in columns)
-        body = ["  ".join(str(row[c]).ljust(widths[c]) for c in columns) for row in rows]
-        return "\n".join([head, *body])
+        return "\n".join(format_table(columns, rows))
 
     def __repr__(self) -> str:
         return f"<DistCluster {self._state}: {self.world_size} ranks, {self.backend}>"

@@ -25,16 +25,10 @@ class Diagnosis:
     line: int | None = None
 
     def text(self) -> str:
+        from .table import format_table
+
         cols = ("rank", "state", "op", "shapes", "where", "waiting")
-        widths = (
-            {c: max(len(c), *(len(str(r[c])) for r in self.rows)) for c in cols}
-            if self.rows
-            else {}
-        )
-        lines = []
-        if self.rows:
-            lines.append("  ".join(c.ljust(widths[c]) for c in cols))
-            lines.extend("  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in self.rows)
+        lines = format_table(cols, self.rows) if self.rows else []
         lines.append(f"Diagnosis: {self.verdict}")
         return "\n".join(lines)
 

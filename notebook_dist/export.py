@@ -47,6 +47,7 @@ else:
 '''
 
 FOOTER = """
+dist.barrier()  # every rank is done before any tears the group down
 dist.destroy_process_group()
 """
 

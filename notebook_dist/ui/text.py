@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..table import format_table
 from .state import DashboardState
 
 
@@ -70,11 +71,7 @@ def render_text(st: DashboardState) -> str:
                 (row.last_output or "")[:40],
             )
         )
-    widths = [
-        max(len(c), *(len(t[i]) for t in table)) if table else len(c) for i, c in enumerate(cols)
-    ]
-    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
-    lines.extend("  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in table)
+    lines.extend(format_table(cols, table))
     if st.verdict:
         lines.append(f"Diagnosis: {st.verdict}")
     return "\n".join(lines)

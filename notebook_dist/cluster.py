@@ -243,6 +243,7 @@ class DistCluster:
         pids = [el.pid for el in self._all_launchers()]
         if self._cluster is not None and self._cluster.controller is not None:
             pids.append(self._cluster.controller.pid)
+        self._exit_idle_ranks()
         if self._client is not None:
             try:
                 self._client.close()
@@ -263,6 +264,26 @@ class DistCluster:
             if path:
                 shutil.rmtree(path, ignore_errors=True)
         self._state = "stopped"
+
+    def _exit_idle_ranks(self, wait_s: float = 2.0) -> None:
+        """Idle ranks end themselves at once: a rank's interpreter can take seconds to exit
+        on SIGTERM (joining torch's store and Gloo threads), which ipyparallel then waits
+        out. Busy or unreachable ranks are left to the TERM/KILL that follows."""
+        if self._client is None or not self._engine_ids or self._state not in ("stopping",):
+            return
+        launchers = [
+            el for el in self._launchers.values() if el is not None and not el.exited.is_set()
+        ]
+        if not launchers:
+            return
+        try:
+            view = self._client.direct_view(self._engine_ids)
+            view.apply_async(rt_bootstrap.exit_now)
+        except Exception:
+            return
+        deadline = time.monotonic() + wait_s
+        for el in launchers:
+            el.exited.wait(max(0.0, deadline - time.monotonic()))
 
     def _all_launchers(self) -> list:
         if self._cluster is None:

@@ -170,7 +170,16 @@ class CellWatch:
             else "the cell keeps running; interrupt to stop it"
         )
         stream.write(f"\nnotebook_dist: no rank has made progress for {waited:.0f} s ({tail})\n")
-        stream.write(diag.text() + "\n\n")
+        stream.write(diag.text() + "\n")
+        from .doctor import format_stacks
+
+        # every rank's stack, now: the kernel is busy with this cell, so %dist_stacks
+        # could only run after it; the same stacks stay available to it then
+        stream.write(
+            "Stacks (innermost last):\n"
+            + format_stacks(self.frozen, self.prepared.filename)
+            + "\n\n"
+        )
         stream.flush()
         if self.hang_action == "stop":
             raise _StopHung()

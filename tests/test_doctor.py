@@ -78,6 +78,12 @@ def test_collective_inside_rank_conditional_branch(cluster):
     )
     assert "Line 4 is inside `if nd.rank == 0:` (line 3)" in diag.verdict
     assert "released ranks 0, 1" in out
+    # every rank's stack is printed live with the diagnosis, cell frames as cell lines
+    assert (
+        "Stacks (innermost last):\nrank 0: in broadcast #1\n  line 4, in <module>\n    dist.broadcast(x, 0)"
+        in out
+    )
+    assert "rank 1: in all_reduce #1\n  line 5, in <module>\n    dist.all_reduce(x)" in out
     assert_recovered(cluster)
 
 

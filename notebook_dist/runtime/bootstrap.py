@@ -207,6 +207,16 @@ def _start_agent(control_file: str | None, interval: float) -> None:
     agent.start()
 
 
+def exit_now() -> None:
+    """End this rank's process at once (the cluster is shutting down)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)
+
+
 def health() -> dict:
     """What ``%dist_status`` shows of a rank's process group."""
     import torch.distributed as dist

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 
 def load_ipython_extension(ipython) -> None:
+    from .debugging import DebugMagics
     from .magics import DistMagics
 
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
+    ipython.register_magics(DebugMagics(ipython))
     ipython._notebook_dist_magics = magics
 
 

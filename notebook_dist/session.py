@@ -8,6 +8,9 @@ from .cluster import DistCluster
 
 _current: DistCluster | None = None
 
+#: In[N] -> the distributed cell that ran there (notebook_dist.export.ExportCell), for %dist_export
+cell_records: dict = {}
+
 
 def current() -> DistCluster | None:
     """The running cluster, or None (a cluster that stopped is forgotten)."""

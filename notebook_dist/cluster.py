@@ -167,7 +167,7 @@ class DistCluster:
             parent=None,
         )
         cluster.start_controller_sync()
-        self._reaper.watch(cluster.controller.pid)
+        self._reaper.watch(cluster.controller.pid, anchor=True)
         engine_set_id = cluster.start_engines_sync(n)
         launchers = list(cluster.engines[engine_set_id].launchers.values())
         for el in launchers:
@@ -349,7 +349,21 @@ class DistCluster:
                 out["file"], out["line"] = filename, int(num)
         return out
 
+    def controller_alive(self) -> bool:
+        from .reaper import _alive, process_start_time
+
+        controller = self._cluster.controller if self._cluster is not None else None
+        if controller is None:
+            return False
+        pid = controller.pid
+        return _alive(pid, "") and process_start_time(pid) != ""
+
     def _check_alive(self, ranks: list[int]) -> None:
+        if not self.controller_alive():
+            raise ClusterError(
+                "the ipyparallel controller of this cluster is gone (it crashed or was killed), and its "
+                "engines were ended with it. Run %dist_restart for a fresh cluster (add --replay to rebuild your state)."
+            )
         dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
         if dead:
             what = "; ".join(f"rank {r} {how}" for r, how in dead.items())

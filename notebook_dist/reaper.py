@@ -6,12 +6,17 @@ a pipe on its stdin and writes the pids it starts to it. The pipe closes when th
 kernel exits for any reason; on EOF without a ``release`` line, the reaper ends every
 pid it was given (TERM, then KILL), removes the given paths, and exits.
 
-Protocol, one command a line: ``pid PID STARTTIME`` | ``path DIR`` | ``release``.
+It also watches the controller (``anchor``): if the controller dies, the engines can do
+nothing more, so the reaper ends them too.
+
+Protocol, one command a line: ``pid PID STARTTIME`` | ``anchor PID STARTTIME`` |
+``path DIR`` | ``release``.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -67,18 +72,35 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is not for us
     pids: dict[int, str] = {}
     paths: list[str] = []
+    anchor: tuple[int, str] | None = None  # the controller: without it the engines are useless
     released = False
-    for line in sys.stdin:
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "pid":
-            pid, _, start = arg.partition(" ")
-            pids[int(pid)] = start
-        elif cmd == "forget":
-            pids.pop(int(arg), None)
-        elif cmd == "path":
-            paths.append(arg)
-        elif cmd == "release":
-            released = True
+    buffer = b""
+    fd = sys.stdin.fileno()
+    while True:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if not ready:
+            if anchor is not None and not _alive(*anchor):
+                break  # the controller died: end the engines rather than leave them waiting
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break  # EOF: the kernel is gone
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for raw in lines:
+            cmd, _, arg = raw.decode().strip().partition(" ")
+            if cmd in ("pid", "anchor"):
+                pid, _, start = arg.partition(" ")
+                pids[int(pid)] = start
+                if cmd == "anchor":
+                    anchor = (int(pid), start)
+            elif cmd == "forget":
+                pids.pop(int(arg), None)
+            elif cmd == "path":
+                paths.append(arg)
+            elif cmd == "release":
+                released = True
+        if released:
             break
     if not released:
         end_processes(pids)
@@ -108,8 +130,9 @@ class Reaper:
         except (BrokenPipeError, OSError):
             pass
 
-    def watch(self, pid: int) -> None:
-        self._send(f"pid {pid} {process_start_time(pid)}")
+    def watch(self, pid: int, anchor: bool = False) -> None:
+        """End ``pid`` if the kernel dies; an ``anchor`` (the controller) dying ends them all."""
+        self._send(f"{'anchor' if anchor else 'pid'} {pid} {process_start_time(pid)}")
 
     def forget(self, pid: int) -> None:
         self._send(f"forget {pid}")

@@ -119,3 +119,34 @@ def test_segfault_is_reported_with_its_line_and_restart_recovers(live, ip, run):
     assert out.error is None, out.output
     fresh = session.current()
     assert dict(fresh.run("nd.rank").values) == {0: 0, 1: 1}
+
+
+def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
+    import signal
+    import time
+
+    import pytest
+    from conftest import pids_alive
+
+    from notebook_dist import DistCluster
+    from notebook_dist.errors import ClusterError
+
+    cluster = DistCluster(n=2).start()
+    fresh = None
+    try:
+        engines = [r.pid for r in cluster.ranks]
+        reaper = cluster._reaper.proc.pid
+        os.kill(cluster._cluster.controller.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pids_alive(engines + [reaper]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids_alive(engines + [reaper]) == [], "engines outlived their controller by 10 s"
+        with pytest.raises(ClusterError) as info:
+            cluster.run("1")
+        assert str(info.value).startswith("the ipyparallel controller of this cluster is gone")
+        fresh = cluster.restarted()
+        assert dict(fresh.run("nd.rank").values) == {0: 0, 1: 1}
+    finally:
+        cluster.shutdown()
+        if fresh is not None:
+            fresh.shutdown()

@@ -15,6 +15,7 @@ Protocol, one command a line: ``pid PID STARTTIME`` | ``anchor PID STARTTIME`` |
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -56,16 +57,47 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid`` (field 5 of /proc/PID/stat)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().decode().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(name))
+    return out
+
+
 def end_processes(pids: dict[int, str], grace_s: float = 3.0) -> None:
-    live = {p: s for p, s in pids.items() if _alive(p, s)}
-    for pid in live:
-        _signal(pid, signal.SIGTERM)
+    """TERM, then KILL, each pid and its process group.
+
+    Every process we watch was started in a session of its own (its pid is its group id),
+    so the group also holds what it spawned: the controller's scheduler processes, an
+    engine's workers. Those outlive a leader that was SIGKILLed, so the group is ended
+    even when its leader is already gone.
+    """
+
+    def remaining() -> list[int]:
+        alive = [p for p, start in pids.items() if _alive(p, start)]
+        return alive + [m for p in pids for m in group_members(p) if m not in alive]
+
+    for pid, start in pids.items():
+        if _alive(pid, start):
+            _signal(pid, signal.SIGTERM)
+        elif group_members(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while live and time.monotonic() < deadline:
+    while remaining() and time.monotonic() < deadline:
         time.sleep(0.05)
-        live = {p: s for p, s in live.items() if _alive(p, s)}
-    for pid in live:
-        _signal(pid, signal.SIGKILL)
+    for pid in remaining():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def main() -> None:

@@ -134,13 +134,21 @@ def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
     cluster = DistCluster(n=2).start()
     fresh = None
     try:
+        from notebook_dist.reaper import group_members
+
         engines = [r.pid for r in cluster.ranks]
         reaper = cluster._reaper.proc.pid
-        os.kill(cluster._cluster.controller.pid, signal.SIGKILL)
+        controller = cluster._cluster.controller.pid
+        schedulers = [p for p in group_members(controller) if p != controller]
+        assert schedulers, "expected the controller's scheduler processes in its group"
+        os.kill(controller, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while pids_alive(engines + [reaper]) and time.monotonic() < deadline:
+        while pids_alive(engines + schedulers + [reaper]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert pids_alive(engines + [reaper]) == [], "engines outlived their controller by 10 s"
+        assert pids_alive(engines + schedulers + [reaper]) == [], (
+            "processes outlived their controller by 10 s"
+        )
+        assert group_members(controller) == []
         with pytest.raises(ClusterError) as info:
             cluster.run("1")
         assert str(info.value).startswith("the ipyparallel controller of this cluster is gone")

@@ -45,8 +45,14 @@ def test_kernel_sigkill_leaves_no_process_behind(tmp_path):
     km, kc, pids = _kernel_with_cluster(tmp_path)
     kernel_pid = km.provisioner.process.pid
     try:
+        from notebook_dist.reaper import group_members
+
+        controller = pids[2]
+        family = pids + [
+            p for p in group_members(controller) if p not in pids
+        ]  # its schedulers too
         os.kill(kernel_pid, signal.SIGKILL)
-        left = _wait_gone(pids, 10.0)
+        left = _wait_gone(family, 10.0)
         assert left == [], f"still running 10 s after the kernel was SIGKILLed: {left}"
     finally:
         kc.stop_channels()

@@ -35,10 +35,6 @@ class ClusterPlan:
     cuda_visible_devices: str | None
     notes: tuple[str, ...] = ()
 
-    @property
-    def uses_gpus(self) -> bool:
-        return self.ranks[0].device.startswith("cuda")
-
 
 def visible_gpus(
     environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus"

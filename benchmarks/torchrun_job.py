@@ -35,5 +35,6 @@ elif mode == "train":
     elapsed = time.perf_counter() - t0
     if dist.get_rank() == 0:
         print(f"RESULT {steps / elapsed}")
-dist.barrier()
+_last = dist.barrier(async_op=True)  # kept until exit: see FOOTER in notebook_dist/export.py
+_last.wait()
 dist.destroy_process_group()

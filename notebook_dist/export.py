@@ -46,8 +46,13 @@ else:
     dist.init_process_group("gloo")
 '''
 
+# The last barrier's handle is kept until exit: otherwise Gloo's worker thread may free it
+# while Python shuts down, which aborts the process (rarely; seen in about 1 run in 50).
 FOOTER = """
-dist.barrier()  # every rank is done before any tears the group down
+# Every rank is done before any tears the group down. The handle is kept so the barrier
+# is freed here at exit, not on Gloo's worker thread while Python shuts down.
+_last = dist.barrier(async_op=True)
+_last.wait()
 dist.destroy_process_group()
 """
 

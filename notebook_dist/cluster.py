@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from typing import Any, TextIO
 
 from . import launch
 from .config import DistConfig
-from .errors import ClusterError, TransferError
+from .errors import ClusterError, PreflightError, TransferError
 from .execute import CellResult, PreparedCell, collect, prepare_cell
 from .plan import ClusterPlan, plan_cluster
 from .ranks import parse_ranks
@@ -72,14 +73,13 @@ class DistCluster:
         gpus: str | list[int] | None = None,
         timeout: float | None = None,
         *,
+        port: int | None = None,
         config: DistConfig | None = None,
         gpu_ids: list[str] | None = None,
     ):
         self.config = config or DistConfig()
         if timeout is not None:
-            if timeout <= 0:
-                from .errors import PreflightError
-
+            if not math.isfinite(timeout) or timeout <= 0:
                 raise PreflightError(f"--timeout {timeout}: give a positive number of seconds")
             self.config.timeout_s = float(timeout)
         self.request = {
@@ -87,8 +87,13 @@ class DistCluster:
             "backend": (backend or "auto").lower(),
             "gpus": gpus,
             "timeout": self.config.timeout_s,
+            "port": port,
         }
         self.plan: ClusterPlan = plan_cluster(n, backend, gpus, gpu_ids=gpu_ids)
+        self.port = port  # the rendezvous port (MASTER_PORT); None: the OS picks one
+        if port is not None:
+            _check_port(port, self._bind_host())
+        _check_python(self.config.python)
         self.ranks: list[RankInfo] = []
         self.notes: list[str] = list(self.plan.notes)
         self.startup_s: float | None = None
@@ -149,7 +154,7 @@ class DistCluster:
         self._reaper = Reaper()
         self._reaper.remove_on_exit(self._profile_dir)
         cfg = Config()
-        cfg.RankEngineSetLauncher.engine_cmd = list(launch.ENGINE_CMD)
+        cfg.RankEngineSetLauncher.engine_cmd = launch.engine_cmd(self.config.python)
         cfg.RankEngineSetLauncher.environment = self.config.launch_env()
         cfg.RankEngineSetLauncher.delay = 0.0
         self._cluster = cluster = ipp.Cluster(
@@ -178,9 +183,10 @@ class DistCluster:
             dead = [el for el in launchers if el.exited.is_set()]
             if dead:
                 el = dead[0]
+                log_tail = _tail(el.output_file)
                 raise ClusterError(
-                    f"an engine {launch.describe_exit(el.exit_code)} while starting. "
-                    f"Its log ({el.output_file}) ends:\n{_tail(el.output_file)}"
+                    f"an engine {launch.describe_exit(el.exit_code)} while starting"
+                    f"{self._import_hint(log_tail)}. Its log ({el.output_file}) ends:\n{log_tail}"
                 )
             if time.monotonic() > deadline:
                 raise ClusterError(
@@ -191,9 +197,20 @@ class DistCluster:
         self._engine_ids = sorted(client.ids)[:n]
         self._by_pid = {el.pid: el for el in launchers}
 
+    def _import_hint(self, text: str) -> str:
+        if "ImportError" not in text and "ModuleNotFoundError" not in text:
+            return ""
+        return (
+            f" (an import failed in the engines' Python, {self.config.python}: install what "
+            "is missing there, or set DistConfig.python to a Python that has it)"
+        )
+
+    def _bind_host(self) -> str:
+        return "127.0.0.1" if self.config.loopback_only else ""
+
     def _bootstrap_ranks(self) -> None:
         client = self._client
-        port = free_port()
+        port = self.port or free_port()
         ars = []
         for rp, eid in zip(self.plan.ranks, self._engine_ids):
             env = dict(rp.env, MASTER_PORT=str(port))
@@ -214,8 +231,10 @@ class DistCluster:
             try:
                 infos.append(ar.get(timeout=self.config.start_timeout_s))
             except Exception as exc:
+                message = _remote_message(exc)
                 raise ClusterError(
-                    f"rank {rank} could not join the process group: {_remote_message(exc)}"
+                    f"rank {rank} could not join the process group: {message}"
+                    + self._import_hint(message)
                 ) from None
         self.bootstrap_info = infos  # per rank: import_s, init_s (benchmarks read these)
         overridden: dict[str, str] = {}
@@ -254,6 +273,7 @@ class DistCluster:
                 self._cluster.stop_cluster_sync()
             except Exception as exc:
                 log.debug("stop_cluster failed: %s", exc)
+            _stop_loop_thread(self._cluster)
         # whatever ipyparallel did not stop, we do (by pid, only what we started)
         from .reaper import end_processes, process_start_time
 
@@ -647,6 +667,47 @@ class DistCluster:
 
     def __repr__(self) -> str:
         return f"<DistCluster {self._state}: {self.world_size} ranks, {self.backend}>"
+
+
+def _stop_loop_thread(obj) -> None:
+    """ipyparallel runs ``*_sync`` calls made inside a running event loop (a Jupyter
+    kernel) on a thread with its own loop, and never stops it: one thread and its
+    descriptors per cluster. Stop it with the cluster."""
+    thread = getattr(obj, "_async_thread", None)
+    loop = getattr(obj, "_thread_loop", None)
+    if thread is None or loop is None:
+        return
+    try:
+        loop.add_callback(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.close(all_fds=True)
+    except Exception as exc:  # a change in ipyparallel's internals must not break shutdown
+        log.debug("could not stop ipyparallel's loop thread: %s", exc)
+    obj._async_thread = None
+
+
+def _check_port(port: int, host: str) -> None:
+    """Refuse a rendezvous port that is out of range or already taken, before anything starts."""
+    if not 1 <= port <= 65535:
+        raise PreflightError(f"--port {port}: give a port number between 1 and 65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            where = host or "every interface"
+            raise PreflightError(
+                f"--port {port} is already in use on {where} ({exc.strerror}): choose "
+                "another port, or leave --port out to let the system pick a free one"
+            ) from None
+
+
+def _check_python(python: str) -> None:
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise PreflightError(
+            f"the engines' Python {python!r} does not exist or is not executable: "
+            "set DistConfig.python to a Python with notebook_dist and torch installed"
+        )
 
 
 def _remote_message(exc: BaseException) -> str:

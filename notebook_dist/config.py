@@ -9,6 +9,7 @@ A user-set environment variable that we replace is reported when the cluster sta
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 
@@ -57,6 +58,11 @@ class DistConfig:
     loopback_only: bool = True
     """Single-machine clusters talk over loopback only: the controller binds 127.0.0.1,
     ``MASTER_ADDR`` is 127.0.0.1 and Gloo uses the ``lo`` interface."""
+
+    python: str = field(default_factory=lambda: sys.executable)
+    """The Python interpreter the engines run (default: the kernel's own). It needs
+    notebook_dist, ipyparallel and torch importable; this is checked when the cluster
+    starts, and an engine that cannot start is reported with the end of its log."""
 
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment variables for every rank (set before torch initialises CUDA)."""

@@ -13,9 +13,11 @@ import threading
 
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 
+
 # No nanny process per engine: ranks are signalled by pid (one process fewer per rank
 # to start and to clean up).
-ENGINE_CMD = [sys.executable, "-m", "notebook_dist.runtime.engine", "--IPEngine.enable_nanny=False"]
+def engine_cmd(python: str = sys.executable) -> list[str]:
+    return [python, "-m", "notebook_dist.runtime.engine", "--IPEngine.enable_nanny=False"]
 
 
 class RankEngineLauncher(LocalEngineLauncher):

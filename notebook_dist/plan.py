@@ -97,6 +97,11 @@ def parse_gpu_list(text: str | list[int] | None) -> list[int] | None:
     return items
 
 
+def max_local_ranks() -> int:
+    """Ranks one machine may run: each is a process holding torch (hundreds of MB)."""
+    return 16 * (os.cpu_count() or 1)
+
+
 def plan_cluster(
     n: int | None = None,
     backend: str = "auto",
@@ -136,6 +141,11 @@ def plan_cluster(
         use = list(gpu_ids)
     if n is not None and n < 1:
         raise PreflightError(f"-n {n}: a cluster needs at least one rank")
+    if n is not None and hosts is None and n > max_local_ranks():
+        raise PreflightError(
+            f"-n {n}: more ranks than this machine can run ({os.cpu_count()} CPU cores; "
+            f"at most {max_local_ranks()} ranks on one machine)"
+        )
     notes: list[str] = []
     world_size = (len(use) if use else DEFAULT_CPU_RANKS) if n is None else n
     hosts = hosts or ["localhost"] * world_size

@@ -158,3 +158,153 @@ def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
         cluster.shutdown()
         if fresh is not None:
             fresh.shutdown()
+
+
+# ---- errors from the environment: each a clear message, and nothing left behind ----
+
+
+def _our_children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _nothing_new_left(before: set[int], within_s: float = 10.0) -> list[int]:
+    import time
+
+    from conftest import pids_alive
+
+    deadline = time.monotonic() + within_s
+    while True:
+        left = pids_alive(_our_children() - before)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def test_a_taken_port_is_refused_before_anything_starts(live, run):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        before = _our_children()
+        out = run(f"%dist_init -n 2 --port {port}")
+        assert type(out.error).__name__ == "UsageError"
+        assert str(out.error).startswith(
+            f"--port {port} is already in use on 127.0.0.1 (Address already in use): choose "
+            "another port, or leave --port out to let the system pick a free one"
+        )
+        assert _our_children() - before == set()
+    assert str(run("%dist_init --port 70000").error) == (
+        "--port 70000: give a port number between 1 and 65535"
+    )
+    from notebook_dist import session
+
+    assert session.current() is live, "a refused request must not touch the running cluster"
+
+
+def test_a_chosen_port_is_the_master_port():
+    import socket
+
+    from notebook_dist import DistCluster
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with DistCluster(n=1, port=port) as c:
+        assert dict(c.run("import os\nint(os.environ['MASTER_PORT'])").values) == {0: port}
+
+
+def test_a_missing_python_is_refused_before_anything_starts():
+    import pytest
+
+    from notebook_dist import DistCluster, DistConfig
+    from notebook_dist.errors import PreflightError
+
+    with pytest.raises(PreflightError) as info:
+        DistCluster(n=1, config=DistConfig(python="/nonexistent/bin/python3"))
+    assert str(info.value) == (
+        "the engines' Python '/nonexistent/bin/python3' does not exist or is not executable: "
+        "set DistConfig.python to a Python with notebook_dist and torch installed"
+    )
+
+
+def test_an_engine_whose_imports_fail_is_reported_and_nothing_is_left(tmp_path):
+    """The engines' Python has a torch that cannot be imported: say so, and clean up."""
+    import sys
+
+    import pytest
+
+    from notebook_dist import DistCluster, DistConfig
+    from notebook_dist.errors import ClusterError
+
+    broken = tmp_path / "site" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this torch build is broken')\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{broken.parent}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    before = _our_children()
+    cluster = DistCluster(n=2, config=DistConfig(python=str(python)))
+    with pytest.raises(ClusterError) as info:
+        cluster.start()
+    message = str(info.value)
+    assert message.startswith(
+        "rank 0 could not join the process group: ImportError: this torch build is broken "
+        f"(an import failed in the engines' Python, {python}: install what is missing there, "
+        "or set DistConfig.python to a Python that has it)"
+    ), message
+    assert _nothing_new_left(before) == []
+    assert not os.path.exists(cluster._profile_dir)
+
+
+# ---- odd cells: undecodable text, raw bytes, very long lines, a rank ending itself ----
+
+
+def test_a_cell_with_undecodable_text_is_refused_with_its_line(live, run):
+    out = run("%%distributed\nx = 1\ns = 'caf\udce9'\nlen(s)")
+    assert type(out.error).__name__ == "CellSyntaxError"
+    number = out.result.execution_count
+    assert str(out.error) == (
+        "the cell holds '\\udce9', which is not valid text (undecodable bytes?): remove it, "
+        f"or write it as the escape \\udce9 inside a string (Cell In[{number}], line 3)"
+    )
+    assert dict(run("%%distributed\nnd.rank").result.result) == {0: 0, 1: 1}
+
+
+def test_raw_bytes_from_a_rank_are_shown_not_fatal(monkeypatch):
+    from notebook_dist import DistCluster
+
+    # ipykernel forwards what a process writes to its file descriptor 1, except under
+    # pytest (it checks PYTEST_CURRENT_TEST, which the engines would inherit)
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
+    with DistCluster(n=2) as c:
+        out = io.StringIO()
+        r = c.run("import os\nos.write(1, b'raw \\xff\\xfe bytes\\n')\nnd.rank", out=out)
+        assert not r.errors and dict(r.values) == {0: 0, 1: 1}
+        assert "[rank 0] raw \ufffd\ufffd bytes" in out.getvalue().splitlines()
+        r = c.run("print('caf\\udce9')", out=out)  # a lone surrogate printed
+        assert not r.errors and "[rank 1] caf\ufffd" in out.getvalue().splitlines()
+
+
+def test_a_very_long_source_line_runs(live):
+    r = live.run("x = '" + "a" * 2_000_000 + "'\nlen(x) + nd.rank")
+    assert not r.errors and dict(r.values) == {0: 2_000_000, 1: 2_000_001}
+
+
+def test_os_exit_on_a_rank_is_reported_and_restart_recovers(live, ip, run):
+    from notebook_dist import session
+    from notebook_dist.errors import ClusterError
+
+    try:
+        live.run(
+            "import os\nif nd.rank == 0:\n    os._exit(3)\n",
+            filename="Cell In[78]",
+            header="%%distributed",
+        )
+        raise AssertionError("expected the rank's exit to be reported")
+    except ClusterError as exc:
+        assert str(exc).startswith("rank 0 exited with code 3 at line 4."), str(exc)
+    out = run("%dist_restart")
+    assert out.error is None, out.output
+    assert dict(session.current().run("nd.rank").values) == {0: 0, 1: 1}

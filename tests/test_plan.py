@@ -127,3 +127,18 @@ def test_local_ranks_group_by_host_in_first_seen_order():
     assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert plan.backend == "nccl"
     assert [r.env["GROUP_RANK"] for r in plan.ranks] == ["0", "0", "1", "1"]
+
+
+def test_more_local_ranks_than_the_machine_can_run_is_refused():
+    import os
+
+    from notebook_dist.plan import max_local_ranks
+
+    assert max_local_ranks() == 16 * os.cpu_count()
+    with pytest.raises(PreflightError) as info:
+        plan_cluster(n=10**20, gpu_ids=[])
+    assert str(info.value) == (
+        f"-n {10**20}: more ranks than this machine can run ({os.cpu_count()} CPU cores; "
+        f"at most {max_local_ranks()} ranks on one machine)"
+    )
+    assert plan_cluster(n=max_local_ranks(), gpu_ids=[]).world_size == max_local_ranks()

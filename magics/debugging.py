@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from notebook_dist import session
 from notebook_dist.errors import RankSpecError
 
-from .magics import _usage, _usage_errors, live_cluster
+from .magics import _usage, _usage_errors, live_cluster, parse_argstring
 
 
 @magics_class
@@ -244,8 +244,12 @@ class DebugMagics(Magics):
             )
         import os
 
-        with open(args.file, "w") as f:
-            f.write(to_script(chosen, world_size, os.path.basename(args.file)))
+        try:
+            with open(args.file, "w") as f:
+                f.write(to_script(chosen, world_size, os.path.basename(args.file)))
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+            reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+            raise UsageError(f"cannot write {args.file!r}: {reason}") from None
         print(
             f"wrote {args.file}: {n_dist} distributed cell{'s' if n_dist != 1 else ''}. "
             f"Run it with: torchrun --nproc_per_node={world_size} {args.file}"

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import keyword
+import math
+import re
 from contextlib import contextmanager
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import parse_argstring as _ipython_parse
 
 from notebook_dist import session
 from notebook_dist.cluster import DistCluster
@@ -26,6 +30,26 @@ def _usage_errors():
         yield
     except (RankSpecError, InspectError) as exc:
         raise _usage(exc) from None
+
+
+def parse_argstring(magic, line: str):
+    """IPython's parser, with a line it cannot split (an unclosed quote) as a UsageError."""
+    try:
+        return _ipython_parse(magic, line)
+    except ValueError as exc:
+        raise UsageError(f"cannot read the arguments {line!r}: {exc}") from None
+
+
+def _ipython_owns(name: str) -> bool:
+    """Names IPython's history machinery sets after each cell (_, __, _5, _i5, In, Out)."""
+    if name in ("In", "Out", "get_ipython", "exit", "quit") or name.strip("_") == "":
+        return True
+    return re.fullmatch(r"_i{0,3}\d*", name) is not None
+
+
+def _check_seconds(option: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{option} {value}: give a positive number of seconds")
 
 
 def live_cluster() -> DistCluster:
@@ -62,6 +86,12 @@ class DistMagics(Magics):
         default=None,
         help="seconds without progress before a diagnosis is shown (default 10)",
     )
+    @argument(
+        "--port",
+        type=int,
+        default=None,
+        help="rendezvous port, MASTER_PORT (default: a free port the system picks)",
+    )
     @line_magic
     def dist_init(self, line: str = ""):
         """Start the ranks: one engine per GPU (or -n CPU ranks), process group ready.
@@ -78,13 +108,12 @@ class DistMagics(Magics):
         args = parse_argstring(self.dist_init, line)
         try:
             wanted = DistCluster(
-                n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout
+                n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout, port=args.port
             )
         except PreflightError as exc:
             raise _usage(exc) from None
         if args.hang_after is not None:
-            if args.hang_after <= 0:
-                raise UsageError("--hang-after: give a positive number of seconds")
+            _check_seconds("--hang-after", args.hang_after)
             wanted.config.hang_after_s = args.hang_after
         live = session.current()
         if live is not None:
@@ -219,8 +248,8 @@ class DistMagics(Magics):
         rank's traceback is shown once and the cell fails.
         """
         args = parse_argstring(self.distributed, line)
-        if args.hang_after is not None and args.hang_after <= 0:
-            raise UsageError("--hang-after: give a positive number of seconds")
+        if args.hang_after is not None:
+            _check_seconds("--hang-after", args.hang_after)
         header = None if args.autodist else f"%%distributed {line}".rstrip()
         return self._run(
             cell,
@@ -255,8 +284,12 @@ class DistMagics(Magics):
         on_hang: str = "show",
     ):
         for name in gather:
-            if not name.isidentifier():
+            if not name.isidentifier() or keyword.iskeyword(name):
                 raise UsageError(f"--gather {name!r}: not a valid Python name")
+            if _ipython_owns(name):
+                raise UsageError(
+                    f"--gather {name}: IPython keeps its own values under that name; choose another"
+                )
         cluster = session.current()
         planned = cluster if cluster is not None else DistCluster()
         try:
@@ -326,6 +359,12 @@ class DistMagics(Magics):
         In [7]: loss[1]
         """
         args = parse_argstring(self.dist_pull, line)
+        for name in args.names:
+            if _ipython_owns(name):
+                raise UsageError(
+                    f"%dist_pull {name}: IPython keeps its own values under that name in the "
+                    f"notebook; on the ranks, assign it to another name first (x = {name})"
+                )
         cluster = self._live_cluster()
         try:
             pulled = cluster.pull(args.names, ranks=args.ranks)

@@ -35,6 +35,7 @@ def prepare_cell(cell: str, filename: str = "<cell>", header: str | None = None)
 
     first_line = 2 if header is not None else 1
     source = (header + "\n" + cell) if header is not None else cell
+    _check_encodable(cell, filename, source, first_line)
     try:
         code = TransformerManager().transform_cell(cell)
     except SyntaxError as exc:
@@ -44,6 +45,25 @@ def prepare_cell(cell: str, filename: str = "<cell>", header: str | None = None)
     except SyntaxError as exc:
         raise _syntax_error(exc, filename, source, first_line) from None
     return PreparedCell(code, source, filename, first_line, _wants_value(cell))
+
+
+def _check_encodable(cell: str, filename: str, source: str, first_line: int) -> None:
+    """A cell holding text that is not valid Unicode (a lone surrogate, as undecodable
+    bytes become) is refused with its line, before anything runs."""
+    try:
+        cell.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = cell[exc.start]
+        lineno = cell.count("\n", 0, exc.start) + first_line
+        offset = exc.start - (cell.rfind("\n", 0, exc.start) + 1) + 1
+        raise CellSyntaxError(
+            f"the cell holds {bad!r}, which is not valid text (undecodable bytes?): remove it, "
+            f"or write it as the escape {ascii(bad)[1:-1]} inside a string",
+            filename,
+            lineno,
+            offset,
+            source.splitlines()[lineno - 1].encode("utf-8", "replace").decode(),
+        ) from None
 
 
 def _syntax_error(exc: SyntaxError, filename: str, source: str, first_line: int) -> CellSyntaxError:

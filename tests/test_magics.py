@@ -306,3 +306,28 @@ def test_init_with_other_arguments_says_what_it_replaces(live, run):
     )
     assert session.current().world_size == 1 and not live.running
     # the next test that needs the shared cluster gets a fresh 2-rank one (see conftest.live)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("1x", "--gather '1x': not a valid Python name"),
+        ("class", "--gather 'class': not a valid Python name"),
+        ("_", "--gather _: IPython keeps its own values under that name; choose another"),
+        ("_i3", "--gather _i3: IPython keeps its own values under that name; choose another"),
+        ("Out", "--gather Out: IPython keeps its own values under that name; choose another"),
+    ],
+)
+def test_gather_refuses_names_it_cannot_bind(live, run, ip, name, message):
+    out = run(f"%%distributed --gather {name}\nx = 1")
+    assert type(out.error).__name__ == "UsageError" and str(out.error) == message
+    out = run("%%distributed\nnd.rank")
+    assert ip.user_ns["_"] is out.result.result  # `_` is still IPython's
+
+
+def test_pull_refuses_names_ipython_owns(live, run):
+    out = run("%dist_pull _")
+    assert str(out.error) == (
+        "%dist_pull _: IPython keeps its own values under that name in the notebook; "
+        "on the ranks, assign it to another name first (x = _)"
+    )

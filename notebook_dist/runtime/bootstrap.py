@@ -5,6 +5,7 @@ Runs once per engine through ``apply``; everything it needs arrives as arguments
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -195,6 +196,18 @@ def _enable_fault_report(path: str) -> None:
     STATE.extras["fault_file"] = f
     if old is not None:
         old.close()
+    if not hasattr(os._exit, "__wrapped__"):
+        real_exit = os._exit
+
+        def _exit(code: int) -> None:
+            """os._exit from a cell: leave its stack in the fault file first, so the
+            notebook can say at which line the rank ended itself."""
+            with contextlib.suppress(Exception):
+                faulthandler.dump_traceback(file=STATE.extras["fault_file"], all_threads=False)
+            real_exit(code)
+
+        _exit.__wrapped__ = real_exit
+        os._exit = _exit
 
 
 def _start_agent(control_file: str | None, interval: float) -> None:
@@ -214,7 +227,7 @@ def exit_now() -> None:
             stream.flush()
         except Exception:
             pass
-    os._exit(0)
+    getattr(os._exit, "__wrapped__", os._exit)(0)
 
 
 def health() -> dict:

@@ -73,6 +73,22 @@ def test_kernel_shutdown_stops_the_cluster(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_kernel_restart_stops_the_cluster_and_the_new_kernel_starts_clean(tmp_path):
+    km, kc, pids = _kernel_with_cluster(tmp_path)
+    try:
+        km.restart_kernel(now=False)
+        left = _wait_gone(pids, 10.0)
+        assert left == [], f"still running after the kernel restarted: {left}"
+        kc.wait_for_ready(timeout=60)
+        reply = kc.execute_interactive("%load_ext notebook_dist\n%dist_status", timeout=60)
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        for pid in pids_alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_shutdown_and_dead_rank_report():
     from notebook_dist import DistCluster
     from notebook_dist.errors import ClusterError

@@ -92,6 +92,20 @@ class DistMagics(Magics):
         default=None,
         help="rendezvous port, MASTER_PORT (default: a free port the system picks)",
     )
+    @argument(
+        "--profile",
+        default=None,
+        help="attach to a running ipyparallel cluster of this profile (ipcluster start --profile ...)",
+    )
+    @argument(
+        "--cluster-id", default=None, help="attach to the running cluster with this cluster id"
+    )
+    @argument(
+        "--network",
+        action="store_true",
+        help="let ranks on several hosts meet over the network (rank 0's store and Gloo "
+        "listen on its address; needed when an attached cluster spans hosts)",
+    )
     @line_magic
     def dist_init(self, line: str = ""):
         """Start the ranks: one engine per GPU (or -n CPU ranks), process group ready.
@@ -106,10 +120,35 @@ class DistMagics(Magics):
         keeps the live cluster; with other arguments it replaces it.
         """
         args = parse_argstring(self.dist_init, line)
-        try:
-            wanted = DistCluster(
-                n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout, port=args.port
+        attach = args.profile is not None or args.cluster_id is not None
+        if args.network and not attach:
+            raise UsageError(
+                "--network is for a cluster whose engines run on other hosts: attach to it "
+                "with --profile/--cluster-id (a cluster %dist_init starts is on this machine)"
             )
+        if attach and args.port is not None:
+            raise UsageError("--port is for clusters %dist_init starts, not attached ones")
+        try:
+            if attach:
+                from notebook_dist.attach import AttachedCluster
+
+                wanted = AttachedCluster(
+                    profile=args.profile,
+                    cluster_id=args.cluster_id,
+                    n=args.n,
+                    backend=args.backend,
+                    gpus=args.gpus,
+                    timeout=args.timeout,
+                    network=args.network,
+                )
+            else:
+                wanted = DistCluster(
+                    n=args.n,
+                    backend=args.backend,
+                    gpus=args.gpus,
+                    timeout=args.timeout,
+                    port=args.port,
+                )
         except PreflightError as exc:
             raise _usage(exc) from None
         if args.hang_after is not None:
@@ -118,6 +157,7 @@ class DistMagics(Magics):
         live = session.current()
         if live is not None:
             if live.request == wanted.request:
+                wanted.discard()
                 if args.hang_after is not None:
                     live.config.hang_after_s = args.hang_after
                 print(
@@ -193,13 +233,23 @@ class DistMagics(Magics):
         self.shutdown_cluster()
 
     def shutdown_cluster(self, quiet: bool = False) -> None:
+        cluster = session.current()
+        attached = getattr(cluster, "attached_to", None)
         stopped = session.shutdown()
-        if not quiet:
-            print(
-                "notebook_dist: cluster stopped."
-                if stopped
-                else "notebook_dist: no cluster was running."
+        if quiet:
+            return
+        if not stopped:
+            print("notebook_dist: no cluster was running.")
+        elif attached is not None:
+            where = " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in attached.items() if v is not None
             )
+            print(
+                "notebook_dist: the ranks left their process group; the engines keep running "
+                f"(they are not ours to stop: ipcluster stop {where})."
+            )
+        else:
+            print("notebook_dist: cluster stopped.")
 
     # ---- running cells -------------------------------------------------------------
 

@@ -120,6 +120,10 @@ class DistCluster:
         return self.plan.backend
 
     @property
+    def cluster_id(self) -> str:
+        return self._cluster.cluster_id
+
+    @property
     def running(self) -> bool:
         return self._state == "running"
 
@@ -140,7 +144,7 @@ class DistCluster:
         self.startup_s = time.perf_counter() - t0
         self._state = "running"
         if self.config.loopback_only:  # every rank is on this machine: tensors go through tmpfs
-            self.shm_dir = shm_dir_for(self._cluster.cluster_id)
+            self.shm_dir = shm_dir_for(self.cluster_id)
             if self.shm_dir and self._reaper is not None:
                 self._reaper.remove_on_exit(self.shm_dir)
         return self
@@ -253,6 +257,9 @@ class DistCluster:
     def _control_file(self, rank: int) -> str:
         os.makedirs(os.path.join(self._profile_dir, "control"), exist_ok=True)
         return os.path.join(self._profile_dir, "control", f"release-rank-{rank}")
+
+    def discard(self) -> None:
+        """Let go of a cluster that was planned but will not start (nothing to do here)."""
 
     def shutdown(self) -> None:
         """Stop every process this cluster started; safe to call more than once."""
@@ -478,6 +485,7 @@ class DistCluster:
             backend=self.request["backend"],
             gpus=self.request["gpus"],
             timeout=self.request["timeout"],
+            port=self.request["port"],
             config=self.config,
         )
         history = list(self.history)

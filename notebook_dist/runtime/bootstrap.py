@@ -240,3 +240,55 @@ def health() -> dict:
         info["rank"] = dist.get_rank()
         info["world_size"] = dist.get_world_size()
     return info
+
+
+# launcher variables that give an engine's rank in its job (MPI, Slurm)
+LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def probe() -> dict:
+    """Where this engine runs, before it is a rank (for clusters notebook_dist attaches to)."""
+    from ..plan import visible_gpus
+
+    launcher_rank = next((int(os.environ[k]) for k in LAUNCHER_RANK_VARS if k in os.environ), None)
+    return {
+        "host": socket.gethostname(),
+        "machine": machine_id(),
+        "ip": outgoing_ip(),
+        "pid": os.getpid(),
+        "launcher_rank": launcher_rank,
+        "gpus": visible_gpus(),
+    }
+
+
+def machine_id() -> str:
+    """Identifies one machine, and one network namespace on it (each acts as a host)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
+def outgoing_ip() -> str:
+    """The address other hosts reach this one at: the source address of the default route
+    (no packet is sent); 127.0.0.1 when there is no route off the machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def detach() -> None:
+    """Stop being a rank and leave the engine running (it belongs to someone else)."""
+    agent = STATE.extras.pop("agent", None)
+    if agent is not None:
+        agent.stopped.set()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    STATE.bootstrapped = False

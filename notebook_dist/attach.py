@@ -1,0 +1,280 @@
+"""Ranks on an ipyparallel cluster that is already running.
+
+``ipcluster start --profile P --cluster-id C -n N --daemonize`` (with any of ipyparallel's
+engine launchers: local, MPI, SSH, Slurm, ...) starts engines; ``%dist_init --profile P
+--cluster-id C`` makes them ranks: torchrun's environment, a device each, the default
+process group. notebook_dist starts no process here and ends none: ``%dist_shutdown``
+ends the process group and leaves the engines to whoever started them.
+
+Rank order follows the launcher's own rank where every engine has one (MPI, Slurm);
+otherwise hosts in the order of their first engine, engines by id within a host, so
+LOCAL_RANK counts within each host as torchrun's does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+from .cluster import DistCluster, RankInfo, _remote_message, _stop_loop_thread
+from .config import DistConfig
+from .errors import ClusterError, PreflightError
+from .plan import plan_cluster
+from .reaper import Reaper
+from .runtime import bootstrap as rt_bootstrap
+
+
+def rank_order(probes: dict[int, dict]) -> list[int]:
+    """Engine ids in rank order (see the module docstring)."""
+    ids = sorted(probes)
+    launcher = [probes[e].get("launcher_rank") for e in ids]
+    if None not in launcher and len(set(launcher)) == len(ids):
+        return sorted(ids, key=lambda e: probes[e]["launcher_rank"])
+    first: dict[str, int] = {}
+    for e in ids:
+        first.setdefault(probes[e]["machine"], len(first))
+    return sorted(ids, key=lambda e: (first[probes[e]["machine"]], e))
+
+
+def master_address(ordered: list[dict], here: str, loopback_only: bool) -> str:
+    """MASTER_ADDR: loopback when every rank is on this machine; otherwise an address of
+    rank 0's host that the others reach, which needs the network flag."""
+    machines = {p["machine"] for p in ordered}
+    if machines == {here}:
+        return "127.0.0.1"
+    hosts = sorted({p["host"] for p in ordered})
+    if loopback_only:
+        raise PreflightError(
+            f"the engines run on {len(machines)} hosts ({', '.join(hosts)}), so the ranks must "
+            "meet over the network: add --network to let rank 0's rendezvous store and Gloo listen "
+            f"on {ordered[0]['ip']} (connections between ranks are not encrypted; the ipyparallel "
+            "messages stay HMAC-signed)"
+        )
+    if ordered[0]["ip"].startswith("127."):
+        raise PreflightError(
+            f"rank 0's host {ordered[0]['host']} has no address off the machine (only "
+            f"{ordered[0]['ip']}): the other hosts could not reach its rendezvous store"
+        )
+    return ordered[0]["ip"]
+
+
+class AttachedCluster(DistCluster):
+    """A :class:`DistCluster` on the engines of a running ipyparallel cluster.
+
+    Connecting, counting the engines and finding their hosts happen at construction
+    (a missing cluster or a request that cannot work raises :class:`PreflightError`);
+    :meth:`start` makes them ranks.
+    """
+
+    def __init__(
+        self,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        n: int | None = None,
+        backend: str = "auto",
+        gpus: str | list[int] | None = None,
+        timeout: float | None = None,
+        *,
+        profile_dir: str | None = None,
+        network: bool = False,
+        config: DistConfig | None = None,
+        connect_timeout: float = 10.0,
+    ):
+        config = config or DistConfig()
+        config.loopback_only = not network
+        client = _connect(profile, profile_dir, cluster_id, connect_timeout)
+        try:
+            ids = _engines(client, n, config.start_timeout_s)
+            probes = dict(zip(ids, client[ids].apply_sync(rt_bootstrap.probe)))
+            order = rank_order(probes)
+            ordered = [probes[e] for e in order]
+            here = rt_bootstrap.machine_id()
+            addr = master_address(ordered, here, config.loopback_only)
+            hosts = [p["machine"] for p in ordered]
+            super().__init__(
+                n=len(order),
+                backend=backend,
+                gpus=gpus,
+                timeout=timeout,
+                config=config,
+                gpu_ids=ordered[0]["gpus"],
+            )
+            self.plan = plan_cluster(
+                len(order),
+                backend,
+                gpus,
+                gpu_ids=ordered[0]["gpus"],
+                hosts=hosts,
+                master_addr=addr,
+            )
+        except BaseException:
+            client.close()
+            _stop_loop_thread(client)
+            raise
+        self._client_ready = client
+        self._engine_order = order
+        self._probes = probes
+        self._here = here
+        self.notes = list(self.plan.notes)
+        self.attached_to = {
+            "profile": profile,
+            "cluster_id": cluster_id,
+            "profile_dir": profile_dir,
+        }
+        self.request.update(attach=(profile, profile_dir, cluster_id), network=network)
+
+    def discard(self) -> None:
+        if self._state == "new" and self._client_ready is not None:
+            self._client_ready.close()
+            self._client_ready = None
+        self._state = "stopped"
+
+    def _start_processes(self) -> None:
+        # nothing to start: a private folder for the control files, removed if the kernel dies
+        self._client = self._client_ready
+        self._profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
+        self._reaper = Reaper()
+        self._reaper.remove_on_exit(self._profile_dir)
+        self._engine_ids = list(self._engine_order)
+        self._by_pid = {}
+
+    def _bootstrap_ranks(self) -> None:
+        super()._bootstrap_ranks()
+        for r in self.ranks:  # the host name, not the machine key used for LOCAL_RANK
+            p = self._probes[r.engine_id]
+            self.ranks[r.rank] = RankInfo(
+                r.rank, r.engine_id, p["host"], r.pid, r.device, r.backend
+            )
+
+    @property
+    def cluster_id(self) -> str:
+        return self.attached_to["cluster_id"] or "default"
+
+    def _local(self, rank: int) -> bool:
+        return self._probes[self.ranks[rank].engine_id]["machine"] == self._here
+
+    def dead_ranks(self) -> dict[int, str]:
+        import psutil
+
+        dead = {}
+        registered = set(self._client.ids) if self._client is not None else set()
+        for r in self.ranks:
+            if self._local(r.rank):
+                try:
+                    gone = psutil.Process(r.pid).status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    gone = True
+                if gone:
+                    dead[r.rank] = "ended (its engine process is gone)"
+            elif r.engine_id not in registered:
+                dead[r.rank] = "stopped answering the controller's heartbeat"
+        return dead
+
+    def controller_alive(self) -> bool:
+        return self._client is not None and not getattr(self._client, "_closed", False)
+
+    def interrupt(self, ranks: Any = None) -> None:
+        for r in self.select(ranks):
+            if self._local(r):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.ranks[r].pid, signal.SIGINT)
+            else:
+                self._client.send_signal(
+                    signal.SIGINT, targets=[self.ranks[r].engine_id], block=False
+                )
+
+    def restarted(self) -> DistCluster:
+        raise ClusterError(
+            "this cluster's engines were started outside notebook_dist (ipcluster), so it does "
+            "not restart them: restart them with ipcluster, then run the same %dist_init again"
+        )
+
+    def shutdown(self) -> None:
+        """End the process group on every rank; the engines keep running."""
+        if self._state == "stopped":
+            return
+        self._state = "stopping"
+        client = self._client
+        if client is not None:
+            alive = [r.engine_id for r in self.ranks if r.rank not in self.dead_ranks()]
+            if alive:
+                try:
+                    client[alive].apply_sync(rt_bootstrap.detach)
+                except Exception as exc:  # a busy or lost engine: it keeps its group
+                    self.notes.append(f"could not detach every rank: {_remote_message(exc)}")
+            with contextlib.suppress(Exception):
+                client.close()
+            _stop_loop_thread(client)
+        if self._reaper is not None:
+            self._reaper.release()
+        if self._profile_dir:
+            import shutil
+
+            shutil.rmtree(self._profile_dir, ignore_errors=True)
+        self._state = "stopped"
+
+    def __del__(self):
+        pass  # nothing of ours runs: the engines belong to their cluster
+
+
+def connection_file(profile: str | None, profile_dir: str | None, cluster_id: str | None) -> str:
+    """Where ipyparallel writes a running cluster's client connection file."""
+    if profile_dir is None:
+        from IPython.paths import get_ipython_dir
+
+        profile_dir = os.path.join(get_ipython_dir(), f"profile_{profile or 'default'}")
+    name = f"ipcontroller-{cluster_id}-client.json" if cluster_id else "ipcontroller-client.json"
+    return os.path.join(profile_dir, "security", name)
+
+
+def _connect(profile, profile_dir, cluster_id, timeout):
+    import ipyparallel as ipp
+
+    path = connection_file(profile, profile_dir, cluster_id)
+    if not os.path.exists(path):
+        raise PreflightError(
+            f"no running ipyparallel cluster: {path} does not exist. Start one first, e.g. "
+            f"ipcluster start --profile {profile or 'default'} --cluster-id {cluster_id or 'ID'} "
+            "-n 2 --daemonize"
+        )
+    try:
+        return ipp.Client(
+            profile=profile, profile_dir=profile_dir, cluster_id=cluster_id, timeout=timeout
+        )
+    except (OSError, TimeoutError) as exc:
+        where = profile_dir or f"profile {profile or 'default'!r}"
+        raise PreflightError(
+            f"no running ipyparallel cluster found in {where} with cluster id "
+            f"{cluster_id or '(none)'!r} ({exc}). Start one first, e.g. ipcluster start "
+            f"--profile {profile or 'default'} --cluster-id {cluster_id or 'ID'} -n 2 --daemonize"
+        ) from None
+
+
+def _engines(client, n: int | None, wait_s: float, settle_s: float = 2.0) -> list[int]:
+    """The engines to use: the first n, or all that registered once their number has
+    not changed for ``settle_s`` (engines may still be arriving after ipcluster start)."""
+    deadline = time.monotonic() + wait_s
+    seen, steady_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = len(client.ids)
+        if count != seen:
+            seen, steady_since = count, time.monotonic()
+        if n is not None and count >= n:
+            break
+        if count and time.monotonic() - steady_since >= settle_s:
+            break
+        time.sleep(0.1)
+    ids = sorted(client.ids)
+    if not ids:
+        raise PreflightError(f"the cluster has no engines (waited {wait_s:.0f} s)")
+    if n is not None:
+        if n < 1:
+            raise PreflightError(f"-n {n}: a cluster needs at least one rank")
+        if n > len(ids):
+            raise PreflightError(f"-n {n} asked, but the cluster has {len(ids)} engines")
+        ids = ids[:n]
+    return ids

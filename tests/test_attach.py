@@ -1,0 +1,169 @@
+"""Attaching to a running ipyparallel cluster (ipcluster start ...): ranks made from
+engines notebook_dist did not start, and left running when it lets go."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from conftest import pids_alive
+
+from notebook_dist.attach import master_address, rank_order
+from notebook_dist.errors import PreflightError
+
+PROFILE = "ndattach"
+
+
+# ---- rank order and MASTER_ADDR: pure functions ----------------------------------------
+
+
+def _probe(machine, host, ip="10.0.0.1", launcher_rank=None):
+    return {"machine": machine, "host": host, "ip": ip, "launcher_rank": launcher_rank}
+
+
+def test_rank_order_follows_the_launcher_rank_when_every_engine_has_one():
+    probes = {
+        0: _probe("a", "a", launcher_rank=2),
+        1: _probe("b", "b", launcher_rank=0),
+        2: _probe("a", "a", launcher_rank=1),
+    }
+    assert rank_order(probes) == [1, 2, 0]
+
+
+def test_rank_order_groups_hosts_by_their_first_engine():
+    probes = {
+        0: _probe("a", "a"),
+        1: _probe("b", "b"),
+        2: _probe("a", "a"),
+        3: _probe("b", "b", launcher_rank=5),  # not every engine has one: ignored
+    }
+    assert rank_order(probes) == [0, 2, 1, 3]
+
+
+def test_master_address_is_loopback_on_one_machine_and_rank_0s_address_across_hosts():
+    one = [_probe("here", "vm"), _probe("here", "vm")]
+    assert master_address(one, "here", loopback_only=True) == "127.0.0.1"
+    two = [_probe("m1", "node1", ip="10.200.0.2"), _probe("m2", "node2", ip="10.200.0.3")]
+    with pytest.raises(PreflightError) as info:
+        master_address(two, "here", loopback_only=True)
+    assert str(info.value).startswith(
+        "the engines run on 2 hosts (node1, node2), so the ranks must meet over the network: "
+        "add --network to let rank 0's rendezvous store and Gloo listen on 10.200.0.2"
+    )
+    assert master_address(two, "here", loopback_only=False) == "10.200.0.2"
+    isolated = [_probe("m1", "node1", ip="127.0.0.1"), _probe("m2", "node2")]
+    with pytest.raises(PreflightError, match="has no address off the machine"):
+        master_address(isolated, "here", loopback_only=False)
+
+
+# ---- a real ipcluster --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ipcluster():
+    """``ipcluster start -n 2 --daemonize`` in the tests' IPYTHONDIR; stopped (by pid) after."""
+    cluster_id = "t" + uuid.uuid4().hex[:8]
+    cmd = [sys.executable, "-m", "ipyparallel.cluster"]
+    subprocess.run(
+        cmd + ["start", "--profile", PROFILE, "--cluster-id", cluster_id, "-n", "2", "--daemonize"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    import ipyparallel as ipp
+
+    c = ipp.Client(profile=PROFILE, cluster_id=cluster_id, timeout=30)
+    deadline = time.monotonic() + 60
+    while len(c.ids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = c[:].apply_sync(os.getpid)
+    c.close()
+    yield cluster_id, pids
+    subprocess.run(
+        cmd + ["stop", "--profile", PROFILE, "--cluster-id", cluster_id],
+        capture_output=True,
+        timeout=60,
+    )
+    for pid in pids_alive(pids):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def no_current(ip):
+    """Set the session's cluster aside (it is not replaced), and restore it after."""
+    from notebook_dist import session
+
+    saved = session.current()
+    session.set_current(None)
+    yield
+    session.shutdown()
+    session.set_current(saved)
+
+
+def test_attach_runs_ranks_and_leaves_the_engines_running(ipcluster, no_current, run):
+    from notebook_dist import session
+
+    cluster_id, pids = ipcluster
+    out = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id}")
+    assert out.error is None, out.output
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].split() == ["rank", "host", "pid", "device", "backend"]
+    assert [int(ln.split()[2]) for ln in lines[1:]] == sorted(pids)  # engine order = rank order
+    out = run(
+        "%%distributed\nimport os\nt = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\n"
+        "(float(t), os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])"
+    )
+    assert out.error is None, out.output
+    assert dict(out.result.result) == {0: (3.0, "0", "127.0.0.1"), 1: (3.0, "1", "127.0.0.1")}
+    again = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id}")
+    assert again.stdout.strip() == "notebook_dist: reusing the running cluster (2 ranks, gloo)."
+    out = run("%dist_restart")
+    assert str(out.error).startswith(
+        "this cluster's engines were started outside notebook_dist (ipcluster)"
+    )
+    out = run("%dist_shutdown")
+    assert out.stdout.strip() == (
+        "notebook_dist: the ranks left their process group; the engines keep running (they are "
+        f"not ours to stop: ipcluster stop --profile {PROFILE} --cluster-id {cluster_id})."
+    )
+    assert session.current() is None
+    assert pids_alive(pids) == pids, "shutdown must not touch engines it did not start"
+    import ipyparallel as ipp
+
+    c = ipp.Client(profile=PROFILE, cluster_id=cluster_id, timeout=30)
+    try:
+        c[:].execute("import torch.distributed as dist\nok = dist.is_initialized()", block=True)
+        assert c[:].pull("ok", block=True) == [False, False]
+    finally:
+        c.close()
+    out = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id} -n 1")  # again, fewer
+    assert out.error is None, out.output
+    assert dict(run("%%distributed\ndist.get_world_size()").result.result) == {0: 1}
+
+
+def test_attach_errors_are_plain(ipcluster, no_current, run):
+    cluster_id, _ = ipcluster
+    out = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id} -n 3")
+    assert str(out.error) == "-n 3 asked, but the cluster has 2 engines"
+    out = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id} --port 1234")
+    assert str(out.error) == "--port is for clusters %dist_init starts, not attached ones"
+    out = run("%dist_init --network")
+    assert str(out.error).startswith("--network is for a cluster whose engines run on other hosts")
+
+
+def test_attach_to_nothing_says_how_to_start_one(no_current, run):
+    out = run("%dist_init --profile nosuchprofile --cluster-id nope")
+    assert type(out.error).__name__ == "UsageError"
+    assert str(out.error).startswith("no running ipyparallel cluster: ")
+    assert "profile_nosuchprofile/security/ipcontroller-nope-client.json does not exist" in str(
+        out.error
+    )
+    assert str(out.error).endswith(
+        "Start one first, e.g. ipcluster start --profile nosuchprofile --cluster-id nope -n 2 "
+        "--daemonize"
+    )

@@ -93,6 +93,12 @@ class DistMagics(Magics):
         help="rendezvous port, MASTER_PORT (default: a free port the system picks)",
     )
     @argument(
+        "--launcher",
+        default="local",
+        help="how to start the engines: local (default) or mpi (mpiexec); for ssh, slurm and "
+        "the rest, start them with ipcluster and attach with --profile/--cluster-id",
+    )
+    @argument(
         "--profile",
         default=None,
         help="attach to a running ipyparallel cluster of this profile (ipcluster start --profile ...)",
@@ -126,8 +132,9 @@ class DistMagics(Magics):
                 "--network is for a cluster whose engines run on other hosts: attach to it "
                 "with --profile/--cluster-id (a cluster %dist_init starts is on this machine)"
             )
-        if attach and args.port is not None:
-            raise UsageError("--port is for clusters %dist_init starts, not attached ones")
+        if attach and (args.port is not None or args.launcher != "local"):
+            option = "--port" if args.port is not None else "--launcher"
+            raise UsageError(f"{option} is for clusters %dist_init starts, not attached ones")
         try:
             if attach:
                 from notebook_dist.attach import AttachedCluster
@@ -148,6 +155,7 @@ class DistMagics(Magics):
                     gpus=args.gpus,
                     timeout=args.timeout,
                     port=args.port,
+                    launcher=args.launcher,
                 )
         except PreflightError as exc:
             raise _usage(exc) from None

@@ -74,10 +74,18 @@ class DistCluster:
         timeout: float | None = None,
         *,
         port: int | None = None,
+        launcher: str = "local",
         config: DistConfig | None = None,
         gpu_ids: list[str] | None = None,
     ):
         self.config = config or DistConfig()
+        self.launcher = _check_launcher(launcher)
+        self._mpiexec = shutil.which("mpiexec") if self.launcher == "mpi" else None
+        if self.launcher == "mpi" and self._mpiexec is None:
+            raise PreflightError(
+                "--launcher mpi needs mpiexec on the PATH (Debian/Ubuntu: apt-get install "
+                "openmpi-bin, or load your MPI module)"
+            )
         if timeout is not None:
             if not math.isfinite(timeout) or timeout <= 0:
                 raise PreflightError(f"--timeout {timeout}: give a positive number of seconds")
@@ -88,6 +96,7 @@ class DistCluster:
             "gpus": gpus,
             "timeout": self.config.timeout_s,
             "port": port,
+            "launcher": self.launcher,
         }
         self.plan: ClusterPlan = plan_cluster(n, backend, gpus, gpu_ids=gpu_ids)
         self.port = port  # the rendezvous port (MASTER_PORT); None: the OS picks one
@@ -143,6 +152,9 @@ class DistCluster:
             raise
         self.startup_s = time.perf_counter() - t0
         self._state = "running"
+        if self.launcher == "mpi" and self._reaper is not None:  # mpiexec's children
+            for r in self.ranks:
+                self._reaper.watch(r.pid)
         if self.config.loopback_only:  # every rank is on this machine: tensors go through tmpfs
             self.shm_dir = shm_dir_for(self.cluster_id)
             if self.shm_dir and self._reaper is not None:
@@ -158,14 +170,23 @@ class DistCluster:
         self._reaper = Reaper()
         self._reaper.remove_on_exit(self._profile_dir)
         cfg = Config()
-        cfg.RankEngineSetLauncher.engine_cmd = launch.engine_cmd(self.config.python)
-        cfg.RankEngineSetLauncher.environment = self.config.launch_env()
-        cfg.RankEngineSetLauncher.delay = 0.0
+        env = self.config.launch_env()
+        if self.launcher == "mpi":
+            launcher_class = launch.RankMPIEngineSetLauncher
+            mpi_args, mpi_env = launch.mpi_settings(self._mpiexec)
+            cfg.RankMPIEngineSetLauncher.mpi_cmd = [self._mpiexec]
+            cfg.RankMPIEngineSetLauncher.mpi_args = mpi_args
+            env.update(mpi_env)
+        else:
+            launcher_class = launch.RankEngineSetLauncher
+            cfg.RankEngineSetLauncher.delay = 0.0
+        getattr(cfg, launcher_class.__name__).engine_cmd = launch.engine_cmd(self.config.python)
+        getattr(cfg, launcher_class.__name__).environment = env
         self._cluster = cluster = ipp.Cluster(
             n=n,
             profile_dir=self._profile_dir,
             controller_ip="127.0.0.1" if self.config.loopback_only else "",
-            engine_launcher_class=launch.RankEngineSetLauncher,
+            engine_launcher_class=launcher_class,
             controller_args=[f"--HeartMonitor.period={int(self.config.heartbeat_ms)}"],
             delay=0.0,
             send_engines_connection_env=False,  # engines start with the controller and wait for its file
@@ -178,9 +199,12 @@ class DistCluster:
         cluster.start_controller_sync()
         self._reaper.watch(cluster.controller.pid, anchor=True)
         engine_set_id = cluster.start_engines_sync(n)
-        launchers = list(cluster.engines[engine_set_id].launchers.values())
+        engine_set = cluster.engines[engine_set_id]
+        launchers = list(getattr(engine_set, "launchers", {}).values())
         for el in launchers:
             self._reaper.watch(el.pid)
+        if not launchers:  # mpiexec: one process starts them all
+            self._reaper.watch(engine_set.pid)
         self._client = client = cluster.connect_client_sync()
         deadline = time.monotonic() + self.config.start_timeout_s
         while len(client.ids) < n:
@@ -192,6 +216,13 @@ class DistCluster:
                     f"an engine {launch.describe_exit(el.exit_code)} while starting"
                     f"{self._import_hint(log_tail)}. Its log ({el.output_file}) ends:\n{log_tail}"
                 )
+            if not launchers and engine_set.poll() is not None:
+                log_tail = _tail(engine_set.output_file)
+                raise ClusterError(
+                    f"{self._mpiexec} exited with code {engine_set.poll()} while starting the "
+                    f"engines{self._import_hint(log_tail)}. Its log ({engine_set.output_file}) "
+                    f"ends:\n{log_tail}"
+                )
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"only {len(client.ids)} of {n} engines registered within "
@@ -200,6 +231,11 @@ class DistCluster:
             time.sleep(0.02)
         self._engine_ids = sorted(client.ids)[:n]
         self._by_pid = {el.pid: el for el in launchers}
+        if self.launcher == "mpi":  # rank order = MPI rank order
+            from .attach import rank_order
+
+            probes = client[self._engine_ids].apply_sync(rt_bootstrap.probe)
+            self._engine_ids = rank_order(dict(zip(self._engine_ids, probes)))
 
     def _import_hint(self, text: str) -> str:
         if "ImportError" not in text and "ModuleNotFoundError" not in text:
@@ -266,7 +302,7 @@ class DistCluster:
         if self._state == "stopped":
             return
         self._state = "stopping"
-        pids = [el.pid for el in self._all_launchers()]
+        pids = [el.pid for el in self._all_launchers()] + [r.pid for r in self.ranks]
         if self._cluster is not None and self._cluster.controller is not None:
             pids.append(self._cluster.controller.pid)
         self._exit_idle_ranks()
@@ -301,7 +337,8 @@ class DistCluster:
         launchers = [
             el for el in self._launchers.values() if el is not None and not el.exited.is_set()
         ]
-        if not launchers:
+        others = [r.pid for r in self.ranks if self._launchers.get(r.rank) is None]
+        if not launchers and not others:
             return
         try:
             view = self._client.direct_view(self._engine_ids)
@@ -311,13 +348,15 @@ class DistCluster:
         deadline = time.monotonic() + wait_s
         for el in launchers:
             el.exited.wait(max(0.0, deadline - time.monotonic()))
+        while any(_pid_running(p) for p in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _all_launchers(self) -> list:
         if self._cluster is None:
             return []
         out = []
         for es in self._cluster.engines.values():
-            out.extend(getattr(es, "launchers", {}).values())
+            out.extend(getattr(es, "launchers", {}).values() or [es])  # mpiexec: the set itself
         return out
 
     def __enter__(self) -> DistCluster:
@@ -346,8 +385,11 @@ class DistCluster:
         """Ranks whose engine process has ended, with how it ended."""
         dead = {}
         for rank, el in self._launchers.items():
-            if el is not None and el.exited.is_set():
-                dead[rank] = launch.describe_exit(el.exit_code)
+            if el is not None:
+                if el.exited.is_set():
+                    dead[rank] = launch.describe_exit(el.exit_code)
+            elif not _pid_running(self.ranks[rank].pid):  # started by mpiexec: no exit code
+                dead[rank] = "ended (its engine process is gone)"
         return dead
 
     def fault_report(self, rank: int) -> dict[str, Any]:
@@ -486,6 +528,7 @@ class DistCluster:
             gpus=self.request["gpus"],
             timeout=self.request["timeout"],
             port=self.request["port"],
+            launcher=self.launcher,
             config=self.config,
         )
         history = list(self.history)
@@ -677,6 +720,15 @@ class DistCluster:
         return f"<DistCluster {self._state}: {self.world_size} ranks, {self.backend}>"
 
 
+def _pid_running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _stop_loop_thread(obj) -> None:
     """ipyparallel runs ``*_sync`` calls made inside a running event loop (a Jupyter
     kernel) on a thread with its own loop, and never stops it: one thread and its
@@ -693,6 +745,25 @@ def _stop_loop_thread(obj) -> None:
     except Exception as exc:  # a change in ipyparallel's internals must not break shutdown
         log.debug("could not stop ipyparallel's loop thread: %s", exc)
     obj._async_thread = None
+
+
+LAUNCHERS = ("local", "mpi")
+
+
+def _check_launcher(launcher: str) -> str:
+    name = (launcher or "local").lower()
+    if name in ("ssh", "slurm", "sshproxy", "pbs", "sge", "lsf", "htcondor"):
+        raise PreflightError(
+            f"--launcher {name}: start the engines with ipyparallel's own launcher, e.g. "
+            f"ipcluster start --engines {name} --profile P --cluster-id C -n N --daemonize, "
+            "then attach: %dist_init --profile P --cluster-id C (add --network when they span hosts)"
+        )
+    if name not in LAUNCHERS:
+        raise PreflightError(
+            f"unknown launcher {launcher!r}: use local or mpi (or attach to an ipcluster "
+            "started with any ipyparallel launcher, with --profile/--cluster-id)"
+        )
+    return name
 
 
 def _check_port(port: int, host: str) -> None:

@@ -11,7 +11,11 @@ import signal
 import sys
 import threading
 
-from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+from ipyparallel.cluster.launcher import (
+    LocalEngineLauncher,
+    LocalEngineSetLauncher,
+    MPIEngineSetLauncher,
+)
 
 
 # No nanny process per engine: ranks are signalled by pid (one process fewer per rank
@@ -44,6 +48,36 @@ class RankEngineLauncher(LocalEngineLauncher):
 
 class RankEngineSetLauncher(LocalEngineSetLauncher):
     launcher_class = RankEngineLauncher
+
+
+class RankMPIEngineSetLauncher(MPIEngineSetLauncher):
+    """Engines started by ``mpiexec``, without ipyparallel's ``--mpi`` flag: that would make
+    each engine import mpi4py only to learn its MPI rank, which the environment already
+    holds (OMPI_COMM_WORLD_RANK, PMI_RANK); torch.distributed does the communication."""
+
+    @property
+    def program(self):
+        return list(self.engine_cmd)
+
+
+def mpi_settings(mpiexec: str) -> tuple[list[str], dict[str, str]]:
+    """Arguments and environment ``mpiexec`` needs to start engines on this machine."""
+    import os
+    import subprocess
+
+    try:
+        version = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    args: list[str] = []
+    env: dict[str, str] = {}
+    if "Open MPI" in version or "OpenRTE" in version:
+        args.append("--oversubscribe")  # more ranks than cores is fine for a notebook
+        if os.geteuid() == 0:  # Open MPI refuses root unless told twice
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return args, env
 
 
 def describe_exit(code: int | None) -> str:

@@ -98,6 +98,7 @@ OPTIONS: dict[str, dict[str, list[str]]] = {
         "--profile": ["nosuch", "default", ""],
         "--cluster-id": ["nope", ""],
         "--network": [""],
+        "--launcher": ["local", "mpi", "ssh", "slurm", "nope"],
     },
     "dist_push": {"--ranks": RANKS},
     "dist_pull": {"--ranks": RANKS},
@@ -180,6 +181,7 @@ def guarded(live, ip, tmp_path, monkeypatch):
     monkeypatch.setattr(DistMagics, "_start", lambda self, c: reached.append(("start", c)))
     monkeypatch.setattr(session, "shutdown", lambda: reached.append(("shutdown",)) or True)
     monkeypatch.setattr(type(live), "restarted", lambda self: reached.append("restart") or self)
+    monkeypatch.setattr(type(live), "replay", lambda self, cells, **kw: len(cells))
     monkeypatch.chdir(tmp_path)  # %dist_export writes here
     names_before = set(ip.user_ns)
     ip.user_ns["kept_value"] = 1

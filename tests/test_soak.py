@@ -23,15 +23,23 @@ KERNEL_RSS_MB = 20  # the bounds: growth after the warm-up (measured: 3-6 MB, ab
 ENGINE_RSS_MB = 20
 
 STATS = r"""
-import gc, json, threading, psutil
+import gc, json, os, threading, psutil
 from comm import get_comm_manager
 from notebook_dist import session
 gc.collect()
 _c = session.current()
 _k = psutil.Process()
+def _fds():  # IPython's history database opens a journal now and then: not ours to count
+    n = 0
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            n += "history.sqlite" not in os.readlink(os.path.join("/proc/self/fd", f))
+        except OSError:  # closed meanwhile
+            pass
+    return n
 _e = [psutil.Process(r.pid) for r in _c.ranks]
 print("STATS " + json.dumps({
-    "kernel_rss": _k.memory_info().rss, "kernel_fds": _k.num_fds(),
+    "kernel_rss": _k.memory_info().rss, "kernel_fds": _fds(),
     "kernel_threads": threading.active_count(), "comms": len(get_comm_manager().comms),
     "engine_pids": [p.pid for p in _e], "engine_rss": [p.memory_info().rss for p in _e],
     "engine_fds": [p.num_fds() for p in _e], "engine_threads": [p.num_threads() for p in _e],

@@ -1,0 +1,138 @@
+"""``%dist_init --launcher mpi``: engines started by a real mpiexec (Open MPI from Debian's
+openmpi-bin), ranks in MPI rank order, and nothing left behind however it ends.
+
+CI installs openmpi-bin and sets NOTEBOOK_DIST_REQUIRE_MPI=1, so there these tests must
+run; elsewhere they skip when mpiexec is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+from conftest import pids_alive
+
+pytestmark = pytest.mark.slow
+
+if shutil.which("mpiexec") is None:
+    if os.environ.get("NOTEBOOK_DIST_REQUIRE_MPI") == "1":
+        raise RuntimeError("NOTEBOOK_DIST_REQUIRE_MPI=1 but mpiexec is not on the PATH")
+    pytest.skip("needs mpiexec (Debian: apt-get install openmpi-bin)", allow_module_level=True)
+
+
+@pytest.fixture
+def no_current(ip):
+    from notebook_dist import session
+
+    saved = session.current()
+    session.set_current(None)
+    yield
+    session.shutdown()
+    session.set_current(saved)
+
+
+DDP = """
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(nd.rank)
+for _ in range(5):
+    opt.zero_grad()
+    model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+    opt.step()
+w = model.module.weight.detach().clone()
+ws = [torch.zeros_like(w) for _ in range(nd.world_size)]
+dist.all_gather(ws, w)
+all(torch.equal(ws[0], x) for x in ws)
+"""
+
+
+def test_mpi_launcher_runs_ranks_in_mpi_order_and_stops_them_all(no_current, run):
+    from notebook_dist import session
+
+    out = run("%dist_init --launcher mpi -n 2")
+    assert out.error is None, out.output
+    cluster = session.current()
+    assert cluster.launcher == "mpi"
+    out = run(
+        "%%distributed\nimport os\nt = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\n"
+        "(float(t), int(os.environ['OMPI_COMM_WORLD_RANK']), os.environ['LOCAL_RANK'])"
+    )
+    assert out.error is None, out.output
+    assert dict(out.result.result) == {0: (3.0, 0, "0"), 1: (3.0, 1, "1")}
+    out = run("%%distributed\n" + DDP)
+    assert out.error is None, out.output
+    assert dict(out.result.result) == {0: True, 1: True}, "DDP replicas differ"
+    mpiexec = next(iter(cluster._cluster.engines.values())).pid
+    pids = [r.pid for r in cluster.ranks] + [mpiexec, cluster._cluster.controller.pid]
+    out = run("%dist_shutdown")
+    assert out.stdout.strip() == "notebook_dist: cluster stopped."
+    deadline = time.monotonic() + 10
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids_alive(pids) == []
+
+
+def test_a_rank_ending_under_mpi_is_reported_and_restart_brings_fresh_ranks(no_current, run):
+    from notebook_dist import session
+
+    assert run("%dist_init --launcher mpi -n 2").error is None
+    old = session.current()
+    out = run("%%distributed\nimport os, time\nif nd.rank == 1:\n    os._exit(5)\ntime.sleep(30)")
+    assert type(out.error).__name__ == "ClusterError", out.output
+    assert "rank 1 ended (its engine process is gone)" in str(out.error), str(out.error)
+    out = run("%dist_restart")
+    assert out.error is None, out.output
+    fresh = session.current()
+    assert fresh is not old and fresh.launcher == "mpi"
+    assert dict(fresh.run("nd.rank").values) == {0: 0, 1: 1}
+    assert pids_alive([r.pid for r in old.ranks]) == []
+
+
+def test_mpi_preflight_errors(no_current, run, monkeypatch):
+    out = run("%dist_init --launcher slurm")
+    assert str(out.error).startswith(
+        "--launcher slurm: start the engines with ipyparallel's own launcher, e.g. ipcluster "
+        "start --engines slurm"
+    )
+    out = run("%dist_init --launcher carrier-pigeon")
+    assert str(out.error).startswith("unknown launcher 'carrier-pigeon': use local or mpi")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    out = run("%dist_init --launcher mpi")
+    assert str(out.error).startswith("--launcher mpi needs mpiexec on the PATH")
+
+
+def test_kernel_sigkill_leaves_no_mpi_process(tmp_path):
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"))
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path))
+    pids: list[int] = []
+    try:
+        reply = kc.execute_interactive(
+            "%load_ext notebook_dist\n%dist_init --launcher mpi -n 2", timeout=120
+        )
+        assert reply["content"]["status"] == "ok", reply["content"]
+        lines: list[str] = []
+        kc.execute_interactive(
+            "from notebook_dist import session\nc = session.current()\n"
+            "print('PIDS', *[r.pid for r in c.ranks], next(iter(c._cluster.engines.values())).pid)",
+            timeout=30,
+            output_hook=lambda m: lines.append(m["content"].get("text", "")),
+        )
+        pids = [int(p) for p in "".join(lines).split("PIDS", 1)[1].split()]
+        assert len(pids) == 3 and pids_alive(pids) == pids
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pids_alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids_alive(pids) == [], "mpiexec or its ranks outlived the kernel"
+    finally:
+        kc.stop_channels()
+        km.cleanup_resources()
+        for pid in pids_alive(pids):
+            os.kill(pid, signal.SIGKILL)

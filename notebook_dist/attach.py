@@ -48,8 +48,9 @@ def master_address(ordered: list[dict], here: str, loopback_only: bool) -> str:
         return "127.0.0.1"
     hosts = sorted({p["host"] for p in ordered})
     if loopback_only:
+        where = f"{len(machines)} hosts" if len(machines) > 1 else "another host"
         raise PreflightError(
-            f"the engines run on {len(machines)} hosts ({', '.join(hosts)}), so the ranks must "
+            f"the engines run on {where} ({', '.join(hosts)}), so the ranks must "
             "meet over the network: add --network to let rank 0's rendezvous store and Gloo listen "
             f"on {ordered[0]['ip']} (connections between ranks are not encrypted; the ipyparallel "
             "messages stay HMAC-signed)"
@@ -111,6 +112,10 @@ class AttachedCluster(DistCluster):
                 hosts=hosts,
                 master_addr=addr,
             )
+            if network:  # Gloo on the interface that holds each rank's address
+                for rp, p in zip(self.plan.ranks, ordered):
+                    if p.get("iface"):
+                        rp.env["GLOO_SOCKET_IFNAME"] = p["iface"]
         except BaseException:
             client.close()
             _stop_loop_thread(client)

@@ -251,10 +251,12 @@ def probe() -> dict:
     from ..plan import visible_gpus
 
     launcher_rank = next((int(os.environ[k]) for k in LAUNCHER_RANK_VARS if k in os.environ), None)
+    ip = outgoing_ip()
     return {
         "host": socket.gethostname(),
         "machine": machine_id(),
-        "ip": outgoing_ip(),
+        "ip": ip,
+        "iface": interface_of(ip),
         "pid": os.getpid(),
         "launcher_rank": launcher_rank,
         "gpus": visible_gpus(),
@@ -280,6 +282,16 @@ def outgoing_ip() -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds ``ip`` (Gloo is told to use it)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
 
 
 def detach() -> None:

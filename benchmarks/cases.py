@@ -46,10 +46,12 @@ def summarize(xs: list[float]) -> dict:
 
 
 def ratio(a: list[float], b: list[float]) -> dict:
-    """median(a) / median(b) and the spread of the per-pair ratios."""
+    """median(a) / median(b), and the per-pair ratios (a[i] and b[i] ran back to back, so
+    their ratio cancels the machine's slow drifts: its median is the steadier figure)."""
     pairs = [x / y for x, y in zip(a, b)]
     return {
         "ratio": statistics.median(a) / statistics.median(b),
+        "pair_median": statistics.median(pairs),
         "pair_min": min(pairs),
         "pair_max": max(pairs),
     }
@@ -286,24 +288,52 @@ def training(cluster, steps: int, reps: int) -> dict:
     }
 
 
+# the timed loop, also returning the CPU seconds the rank's process spent (all threads:
+# the agent that publishes the dashboard's state included)
+CPU_TIMED_LOOP = (
+    "import time as _t\n_t0, _c0 = _t.perf_counter(), _t.process_time()\n"
+    + TRAIN_LOOP
+    + "(STEPS / (_t.perf_counter() - _t0), _t.process_time() - _c0)\n"
+)
+
+
 def dashboard_overhead(cluster, steps: int, reps: int) -> dict:
+    """DDP steps/s with the dashboard (nd.report every step, a live widget fed at 4 Hz) and
+    without. Wall-clock steps/s on this 2-core machine swing by +-15% from run to run, so the
+    steadier figure is steps per CPU-second: every rank's process CPU plus the kernel's."""
     cluster.run(TRAIN_SETUP).raise_for_errors()
     on, off = [], []
-    quiet = TIMED_LOOP.replace(
+    cpu_on, cpu_off = [], []  # steps per CPU-second, ranks and kernel together
+    quiet = CPU_TIMED_LOOP.replace(
         "    nd.report(step=step, total=STEPS, loss=loss.item(), samples=64)\n", "    loss.item()\n"
     )
+    import psutil
+
+    kernel = psutil.Process()
+    cpu: dict[int, list[float]] = {0: [], 1: []}  # the kernel's CPU seconds per cell
     for i in range(reps):
         for which in (0, 1) if i % 2 == 0 else (1, 0):
+            c0 = sum(kernel.cpu_times()[:2])
             if which == 0:
-                r = cluster.run(TIMED_LOOP.replace("STEPS", str(steps)), on_update=_widget_feed())
-                on.append(min(r.values.values()))
+                code = CPU_TIMED_LOOP.replace("STEPS", str(steps))
+                r = cluster.run(code, on_update=_widget_feed())
             else:
                 r = cluster.run(quiet.replace("STEPS", str(steps)))
-                off.append(min(r.values.values()))
+            r.raise_for_errors()
+            cpu[which].append(sum(kernel.cpu_times()[:2]) - c0)
+            wall = min(v[0] for v in r.values.values())
+            per_cpu = steps / (sum(v[1] for v in r.values.values()) + cpu[which][-1])
+            (on if which == 0 else off).append(wall)
+            (cpu_on if which == 0 else cpu_off).append(per_cpu)
     return {
         "with_dashboard_steps_per_s": summarize(on),
         "without_steps_per_s": summarize(off),
         "on_vs_off": ratio(on, off),
+        "steps_per_cpu_s_on": summarize(cpu_on),
+        "steps_per_cpu_s_off": summarize(cpu_off),
+        "on_vs_off_per_cpu": ratio(cpu_on, cpu_off),
+        "kernel_cpu_s_on": summarize(cpu[0]),
+        "kernel_cpu_s_off": summarize(cpu[1]),
     }
 
 

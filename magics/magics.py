@@ -135,28 +135,16 @@ class DistMagics(Magics):
         if attach and (args.port is not None or args.launcher != "local"):
             option = "--port" if args.port is not None else "--launcher"
             raise UsageError(f"{option} is for clusters %dist_init starts, not attached ones")
+        common = dict(n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout)
         try:
             if attach:
                 from notebook_dist.attach import AttachedCluster
 
                 wanted = AttachedCluster(
-                    profile=args.profile,
-                    cluster_id=args.cluster_id,
-                    n=args.n,
-                    backend=args.backend,
-                    gpus=args.gpus,
-                    timeout=args.timeout,
-                    network=args.network,
+                    profile=args.profile, cluster_id=args.cluster_id, network=args.network, **common
                 )
             else:
-                wanted = DistCluster(
-                    n=args.n,
-                    backend=args.backend,
-                    gpus=args.gpus,
-                    timeout=args.timeout,
-                    port=args.port,
-                    launcher=args.launcher,
-                )
+                wanted = DistCluster(port=args.port, launcher=args.launcher, **common)
         except PreflightError as exc:
             raise _usage(exc) from None
         if args.hang_after is not None:

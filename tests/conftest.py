@@ -103,3 +103,33 @@ def live(cluster2):
 
 def python_exe() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def no_current(ip):
+    """Set the session's cluster aside (a test's own cluster does not replace it); restored after."""
+    from notebook_dist import session
+
+    saved = session.current()
+    session.set_current(None)
+    yield
+    session.shutdown()
+    session.set_current(saved)
+
+
+# a short DDP run whose value is True on every rank when the replicas ended equal
+DDP_IN_SYNC = """
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(nd.rank)
+for _ in range(5):
+    opt.zero_grad()
+    model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+    opt.step()
+w = model.module.weight.detach().clone()
+ws = [torch.zeros_like(w) for _ in range(nd.world_size)]
+dist.all_gather(ws, w)
+all(torch.equal(ws[0], x) for x in ws)
+"""

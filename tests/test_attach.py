@@ -93,18 +93,6 @@ def ipcluster():
         os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture
-def no_current(ip):
-    """Set the session's cluster aside (it is not replaced), and restore it after."""
-    from notebook_dist import session
-
-    saved = session.current()
-    session.set_current(None)
-    yield
-    session.shutdown()
-    session.set_current(saved)
-
-
 def test_attach_runs_ranks_and_leaves_the_engines_running(ipcluster, no_current, run):
     from notebook_dist import session
 

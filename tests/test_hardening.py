@@ -7,6 +7,7 @@ import os
 import stat
 
 import psutil
+import pytest
 
 
 def test_a_hundred_thousand_lines_are_capped_with_the_full_log_kept(live):
@@ -102,23 +103,29 @@ def test_exit_builtin_on_a_rank(live):
     }  # IPython's exit() only asks; the engine stays
 
 
-def test_segfault_is_reported_with_its_line_and_restart_recovers(live, ip, run):
+@pytest.mark.parametrize(
+    "cell, report",
+    [
+        (
+            "import signal\nx = 1\nif nd.rank == 1:\n    signal.raise_signal(signal.SIGSEGV)\n",
+            "rank 1 was killed by SIGSEGV at line 5.",
+        ),
+        ("import os\nif nd.rank == 0:\n    os._exit(3)\n", "rank 0 exited with code 3 at line 4."),
+    ],
+    ids=["segfault", "os._exit"],
+)
+def test_a_rank_ending_itself_is_reported_at_its_line_and_restart_recovers(
+    live, ip, run, cell, report
+):
     from notebook_dist import session
     from notebook_dist.errors import ClusterError
 
-    try:
-        live.run(
-            "import signal\nx = 1\nif nd.rank == 1:\n    signal.raise_signal(signal.SIGSEGV)\n",
-            filename="Cell In[77]",
-            header="%%distributed",
-        )
-        raise AssertionError("expected the rank's death to be reported")
-    except ClusterError as exc:
-        assert str(exc).startswith("rank 1 was killed by SIGSEGV at line 5.")
+    with pytest.raises(ClusterError) as info:
+        live.run(cell, filename="Cell In[77]", header="%%distributed")
+    assert str(info.value).startswith(report), str(info.value)
     out = run("%dist_restart")
     assert out.error is None, out.output
-    fresh = session.current()
-    assert dict(fresh.run("nd.rank").values) == {0: 0, 1: 1}
+    assert dict(session.current().run("nd.rank").values) == {0: 0, 1: 1}
 
 
 def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
@@ -290,21 +297,3 @@ def test_raw_bytes_from_a_rank_are_shown_not_fatal(monkeypatch):
 def test_a_very_long_source_line_runs(live):
     r = live.run("x = '" + "a" * 2_000_000 + "'\nlen(x) + nd.rank")
     assert not r.errors and dict(r.values) == {0: 2_000_000, 1: 2_000_001}
-
-
-def test_os_exit_on_a_rank_is_reported_and_restart_recovers(live, ip, run):
-    from notebook_dist import session
-    from notebook_dist.errors import ClusterError
-
-    try:
-        live.run(
-            "import os\nif nd.rank == 0:\n    os._exit(3)\n",
-            filename="Cell In[78]",
-            header="%%distributed",
-        )
-        raise AssertionError("expected the rank's exit to be reported")
-    except ClusterError as exc:
-        assert str(exc).startswith("rank 0 exited with code 3 at line 4."), str(exc)
-    out = run("%dist_restart")
-    assert out.error is None, out.output
-    assert dict(session.current().run("nd.rank").values) == {0: 0, 1: 1}

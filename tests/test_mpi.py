@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from conftest import pids_alive
+from conftest import DDP_IN_SYNC, pids_alive
 
 pytestmark = pytest.mark.slow
 
@@ -21,34 +21,6 @@ if shutil.which("mpiexec") is None:
     if os.environ.get("NOTEBOOK_DIST_REQUIRE_MPI") == "1":
         raise RuntimeError("NOTEBOOK_DIST_REQUIRE_MPI=1 but mpiexec is not on the PATH")
     pytest.skip("needs mpiexec (Debian: apt-get install openmpi-bin)", allow_module_level=True)
-
-
-@pytest.fixture
-def no_current(ip):
-    from notebook_dist import session
-
-    saved = session.current()
-    session.set_current(None)
-    yield
-    session.shutdown()
-    session.set_current(saved)
-
-
-DDP = """
-from torch.nn.parallel import DistributedDataParallel as DDP
-torch.manual_seed(0)
-model = DDP(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-g = torch.Generator().manual_seed(nd.rank)
-for _ in range(5):
-    opt.zero_grad()
-    model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
-    opt.step()
-w = model.module.weight.detach().clone()
-ws = [torch.zeros_like(w) for _ in range(nd.world_size)]
-dist.all_gather(ws, w)
-all(torch.equal(ws[0], x) for x in ws)
-"""
 
 
 def test_mpi_launcher_runs_ranks_in_mpi_order_and_stops_them_all(no_current, run):
@@ -64,7 +36,7 @@ def test_mpi_launcher_runs_ranks_in_mpi_order_and_stops_them_all(no_current, run
     )
     assert out.error is None, out.output
     assert dict(out.result.result) == {0: (3.0, 0, "0"), 1: (3.0, 1, "1")}
-    out = run("%%distributed\n" + DDP)
+    out = run("%%distributed\n" + DDP_IN_SYNC)
     assert out.error is None, out.output
     assert dict(out.result.result) == {0: True, 1: True}, "DDP replicas differ"
     mpiexec = next(iter(cluster._cluster.engines.values())).pid

@@ -17,6 +17,7 @@ import time
 import uuid
 
 import pytest
+from conftest import DDP_IN_SYNC
 
 pytestmark = pytest.mark.slow
 
@@ -203,34 +204,6 @@ def ssh_cluster(hosts, ip):
         )
 
 
-@pytest.fixture
-def no_current(ip):
-    from notebook_dist import session
-
-    saved = session.current()
-    session.set_current(None)
-    yield
-    session.shutdown()
-    session.set_current(saved)
-
-
-DDP = """
-from torch.nn.parallel import DistributedDataParallel as DDP
-torch.manual_seed(0)
-model = DDP(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-g = torch.Generator().manual_seed(nd.rank)
-for _ in range(5):
-    opt.zero_grad()
-    model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
-    opt.step()
-w = model.module.weight.detach().clone()
-ws = [torch.zeros_like(w) for _ in range(nd.world_size)]
-dist.all_gather(ws, w)
-all(torch.equal(ws[0], x) for x in ws)
-"""
-
-
 def test_two_hosts_meet_over_the_network(ssh_cluster, no_current, run):
     profile, cluster_id = ssh_cluster
     out = run(f"%dist_init --profile {profile} --cluster-id {cluster_id}")
@@ -256,7 +229,7 @@ def test_two_hosts_meet_over_the_network(ssh_cluster, no_current, run):
     assert {v[1] for v in values.values()} == {"node1", "node2"}
     assert [v[2] for v in values.values()] == ["0", "0"]  # one rank per host
     assert sorted(v[3] for v in values.values()) == ["0", "1"]
-    out = run("%%distributed\n" + DDP)
+    out = run("%%distributed\n" + DDP_IN_SYNC)
     assert out.error is None, out.output
     assert dict(out.result.result) == {0: True, 1: True}
     listening = run(

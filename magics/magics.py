@@ -14,6 +14,7 @@ from IPython.core.magic_arguments import parse_argstring as _ipython_parse
 
 from notebook_dist import session
 from notebook_dist.cluster import DistCluster
+from notebook_dist.config import DistConfig
 from notebook_dist.errors import PreflightError, RankSpecError
 
 
@@ -99,6 +100,12 @@ class DistMagics(Magics):
         "the rest, start them with ipcluster and attach with --profile/--cluster-id",
     )
     @argument(
+        "--sbatch",
+        default=None,
+        metavar="OPTIONS",
+        help='with --launcher slurm: more #SBATCH options, e.g. "--partition=gpu --time=60"',
+    )
+    @argument(
         "--profile",
         default=None,
         help="attach to a running ipyparallel cluster of this profile (ipcluster start --profile ...)",
@@ -144,7 +151,12 @@ class DistMagics(Magics):
                     profile=args.profile, cluster_id=args.cluster_id, network=args.network, **common
                 )
             else:
-                wanted = DistCluster(port=args.port, launcher=args.launcher, **common)
+                if args.sbatch is not None and args.launcher != "slurm":
+                    raise UsageError("--sbatch is for --launcher slurm")
+                config = DistConfig(slurm={"options": args.sbatch} if args.sbatch else {})
+                wanted = DistCluster(
+                    port=args.port, launcher=args.launcher, config=config, **common
+                )
         except PreflightError as exc:
             raise _usage(exc) from None
         if args.hang_after is not None:

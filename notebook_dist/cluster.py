@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
@@ -86,6 +87,11 @@ class DistCluster:
                 "--launcher mpi needs mpiexec on the PATH (Debian/Ubuntu: apt-get install "
                 "openmpi-bin, or load your MPI module)"
             )
+        if self.launcher == "slurm" and shutil.which("sbatch") is None:
+            raise PreflightError(
+                "--launcher slurm needs sbatch on the PATH: run the notebook on a Slurm login "
+                "node (or load the Slurm module)"
+            )
         if timeout is not None:
             if not math.isfinite(timeout) or timeout <= 0:
                 raise PreflightError(f"--timeout {timeout}: give a positive number of seconds")
@@ -97,6 +103,7 @@ class DistCluster:
             "timeout": self.config.timeout_s,
             "port": port,
             "launcher": self.launcher,
+            "slurm": dict(self.config.slurm),
         }
         self.plan: ClusterPlan = plan_cluster(n, backend, gpus, gpu_ids=gpu_ids)
         self.port = port  # the rendezvous port (MASTER_PORT); None: the OS picks one
@@ -152,7 +159,7 @@ class DistCluster:
             raise
         self.startup_s = time.perf_counter() - t0
         self._state = "running"
-        if self.launcher == "mpi" and self._reaper is not None:  # mpiexec's children
+        if self.launcher in ("mpi", "slurm") and self._reaper is not None:  # not our children
             for r in self.ranks:
                 self._reaper.watch(r.pid)
         if self.config.loopback_only:  # every rank is on this machine: tensors go through tmpfs
@@ -177,6 +184,10 @@ class DistCluster:
             cfg.RankMPIEngineSetLauncher.mpi_cmd = [self._mpiexec]
             cfg.RankMPIEngineSetLauncher.mpi_args = mpi_args
             env.update(mpi_env)
+        elif self.launcher == "slurm":
+            launcher_class = launch.RankSlurmEngineSetLauncher
+            for key, value in self.config.slurm.items():
+                setattr(cfg.RankSlurmEngineSetLauncher, key, value)
         else:
             launcher_class = launch.RankEngineSetLauncher
             cfg.RankEngineSetLauncher.delay = 0.0
@@ -198,12 +209,22 @@ class DistCluster:
         )
         cluster.start_controller_sync()
         self._reaper.watch(cluster.controller.pid, anchor=True)
-        engine_set_id = cluster.start_engines_sync(n)
+        try:
+            engine_set_id = cluster.start_engines_sync(n)
+        except subprocess.CalledProcessError as exc:  # sbatch refused the job
+            for key, es in list(cluster.engines.items()):
+                if getattr(es, "job_id", None) == "":  # no job: nothing for scancel to stop
+                    del cluster.engines[key]
+            said = (exc.output or b"").decode(errors="replace").strip()
+            raise ClusterError(
+                f"{' '.join(map(str, exc.cmd))} failed (exit {exc.returncode})"
+                + (f": {said}" if said else "")
+            ) from None
         engine_set = cluster.engines[engine_set_id]
         launchers = list(getattr(engine_set, "launchers", {}).values())
         for el in launchers:
             self._reaper.watch(el.pid)
-        if not launchers:  # mpiexec: one process starts them all
+        if not launchers and self.launcher == "mpi":  # mpiexec: one process starts them all
             self._reaper.watch(engine_set.pid)
         self._client = client = cluster.connect_client_sync()
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -216,7 +237,9 @@ class DistCluster:
                     f"an engine {launch.describe_exit(el.exit_code)} while starting"
                     f"{self._import_hint(log_tail)}. Its log ({el.output_file}) ends:\n{log_tail}"
                 )
-            if not launchers and engine_set.poll() is not None:
+            if self.launcher == "slurm":
+                self._check_slurm_job(engine_set, len(client.ids), n)
+            elif not launchers and engine_set.poll() is not None:
                 log_tail = _tail(engine_set.output_file)
                 raise ClusterError(
                     f"{self._mpiexec} exited with code {engine_set.poll()} while starting the "
@@ -231,11 +254,26 @@ class DistCluster:
             time.sleep(0.02)
         self._engine_ids = sorted(client.ids)[:n]
         self._by_pid = {el.pid: el for el in launchers}
-        if self.launcher == "mpi":  # rank order = MPI rank order
+        if self.launcher in ("mpi", "slurm"):  # rank order = MPI rank / SLURM_PROCID order
             from .attach import rank_order
 
             probes = client[self._engine_ids].apply_sync(rt_bootstrap.probe)
             self._engine_ids = rank_order(dict(zip(self._engine_ids, probes)))
+
+    def _check_slurm_job(self, engine_set, registered: int, n: int) -> None:
+        """While engines register: a job that ended (or was refused) is said at once."""
+        now = time.monotonic()
+        if now - getattr(self, "_slurm_checked", 0.0) < 1.0:
+            return
+        self._slurm_checked = now
+        state = launch.slurm_job_state(engine_set.job_id)
+        if state in (None, "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            log_tail = _tail(engine_set.output_file) if engine_set.output_file else "(no log)"
+            raise ClusterError(
+                f"Slurm job {engine_set.job_id} {'ended' if state is None else state.lower()} "
+                f"with {registered} of {n} engines registered{self._import_hint(log_tail)}. "
+                f"Its script is {engine_set.batch_file}; its output ends:\n{log_tail}"
+            )
 
     def _import_hint(self, text: str) -> str:
         if "ImportError" not in text and "ModuleNotFoundError" not in text:
@@ -302,7 +340,8 @@ class DistCluster:
         if self._state == "stopped":
             return
         self._state = "stopping"
-        pids = [el.pid for el in self._all_launchers()] + [r.pid for r in self.ranks]
+        pids = [getattr(el, "pid", None) for el in self._all_launchers()]  # (a Slurm job has none)
+        pids += [r.pid for r in self.ranks]
         if self._cluster is not None and self._cluster.controller is not None:
             pids.append(self._cluster.controller.pid)
         self._exit_idle_ranks()
@@ -747,12 +786,12 @@ def _stop_loop_thread(obj) -> None:
     obj._async_thread = None
 
 
-LAUNCHERS = ("local", "mpi")
+LAUNCHERS = ("local", "mpi", "slurm")
 
 
 def _check_launcher(launcher: str) -> str:
     name = (launcher or "local").lower()
-    if name in ("ssh", "slurm", "sshproxy", "pbs", "sge", "lsf", "htcondor"):
+    if name in ("ssh", "sshproxy", "pbs", "sge", "lsf", "htcondor"):
         raise PreflightError(
             f"--launcher {name}: start the engines with ipyparallel's own launcher, e.g. "
             f"ipcluster start --engines {name} --profile P --cluster-id C -n N --daemonize, "
@@ -760,7 +799,7 @@ def _check_launcher(launcher: str) -> str:
         )
     if name not in LAUNCHERS:
         raise PreflightError(
-            f"unknown launcher {launcher!r}: use local or mpi (or attach to an ipcluster "
+            f"unknown launcher {launcher!r}: use local, mpi or slurm (or attach to an ipcluster "
             "started with any ipyparallel launcher, with --profile/--cluster-id)"
         )
     return name

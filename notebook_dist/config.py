@@ -64,6 +64,11 @@ class DistConfig:
     notebook_dist, ipyparallel and torch importable; this is checked when the cluster
     starts, and an engine that cannot start is reported with the end of its log."""
 
+    slurm: dict[str, str] = field(default_factory=dict)
+    """For ``--launcher slurm``: ipyparallel's Slurm launcher settings, ``queue`` (the
+    partition), ``account``, ``qos``, ``timelimit``, and ``options`` (more ``#SBATCH``
+    lines, e.g. ``"--gres=gpu:1 --cpus-per-task=4"``; ``%dist_init --sbatch``)."""
+
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment variables for every rank (set before torch initialises CUDA)."""
 

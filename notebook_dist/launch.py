@@ -15,6 +15,7 @@ from ipyparallel.cluster.launcher import (
     LocalEngineLauncher,
     LocalEngineSetLauncher,
     MPIEngineSetLauncher,
+    SlurmEngineSetLauncher,
 )
 
 
@@ -58,6 +59,53 @@ class RankMPIEngineSetLauncher(MPIEngineSetLauncher):
     @property
     def program(self):
         return list(self.engine_cmd)
+
+
+class RankSlurmEngineSetLauncher(SlurmEngineSetLauncher):
+    """Engines as the tasks of one Slurm job (``srun`` in an ``sbatch`` script).
+
+    The batch script is written to the cluster's private profile folder, not the
+    notebook's working directory, and ``options`` (``--sbatch``) become ``#SBATCH``
+    lines (ipyparallel only offers them to custom templates)."""
+
+    def __init__(self, work_dir=".", **kwargs):
+        super().__init__(work_dir=kwargs.get("profile_dir") or work_dir, **kwargs)
+
+    def _run_command(self, command, **kwargs):
+        """As ipyparallel's, but what sbatch/scancel say on stderr reaches the error."""
+        import subprocess
+
+        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, **kwargs)
+        if done.returncode != 0:
+            raise subprocess.CalledProcessError(
+                done.returncode, command, output=done.stdout + done.stderr
+            )
+        return done.stdout.decode("utf8", "replace")
+
+    def _insert_options_in_script(self):
+        import shlex
+
+        super()._insert_options_in_script()
+        extra = [f"#SBATCH {opt}" for opt in shlex.split(self.options or "")]
+        if extra:
+            first, rest = self.batch_template.split("\n", 1)
+            self.batch_template = "\n".join([first, *extra, rest])
+
+
+def slurm_job_state(job_id: str) -> str | None:
+    """The job's state as squeue reports it (PENDING, RUNNING, ...), None once it is gone."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", str(job_id), "-o", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "UNKNOWN"
+    return out or None
 
 
 def mpi_settings(mpiexec: str) -> tuple[list[str], dict[str, str]]:

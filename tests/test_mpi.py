@@ -65,17 +65,21 @@ def test_a_rank_ending_under_mpi_is_reported_and_restart_brings_fresh_ranks(no_c
     assert pids_alive([r.pid for r in old.ranks]) == []
 
 
-def test_mpi_preflight_errors(no_current, run, monkeypatch):
-    out = run("%dist_init --launcher slurm")
+def test_launcher_preflight_errors(no_current, run, monkeypatch):
+    out = run("%dist_init --launcher ssh")
     assert str(out.error).startswith(
-        "--launcher slurm: start the engines with ipyparallel's own launcher, e.g. ipcluster "
-        "start --engines slurm"
+        "--launcher ssh: start the engines with ipyparallel's own launcher, e.g. ipcluster "
+        "start --engines ssh"
     )
     out = run("%dist_init --launcher carrier-pigeon")
-    assert str(out.error).startswith("unknown launcher 'carrier-pigeon': use local or mpi")
+    assert str(out.error).startswith("unknown launcher 'carrier-pigeon': use local, mpi or slurm")
     monkeypatch.setenv("PATH", "/nonexistent")
     out = run("%dist_init --launcher mpi")
     assert str(out.error).startswith("--launcher mpi needs mpiexec on the PATH")
+    out = run("%dist_init --launcher slurm")
+    assert str(out.error).startswith("--launcher slurm needs sbatch on the PATH")
+    out = run('%dist_init --sbatch "--time=5"')
+    assert str(out.error) == "--sbatch is for --launcher slurm"
 
 
 def test_kernel_sigkill_leaves_no_mpi_process(tmp_path):

@@ -6,9 +6,8 @@ engine launchers: local, MPI, SSH, Slurm, ...) starts engines; ``%dist_init --pr
 process group. notebook_dist starts no process here and ends none: ``%dist_shutdown``
 ends the process group and leaves the engines to whoever started them.
 
-Rank order follows the launcher's own rank where every engine has one (MPI, Slurm);
-otherwise hosts in the order of their first engine, engines by id within a host, so
-LOCAL_RANK counts within each host as torchrun's does.
+Rank order and MASTER_ADDR: :func:`notebook_dist.plan.rank_order` and
+:func:`notebook_dist.plan.master_address`.
 """
 
 from __future__ import annotations
@@ -20,47 +19,12 @@ import tempfile
 import time
 from typing import Any
 
-from .cluster import DistCluster, RankInfo, _remote_message, _stop_loop_thread
+from .cluster import DistCluster, RankInfo, _pid_running, _remote_message, _stop_loop_thread
 from .config import DistConfig
 from .errors import ClusterError, PreflightError
-from .plan import plan_cluster
+from .plan import master_address, rank_order
 from .reaper import Reaper
 from .runtime import bootstrap as rt_bootstrap
-
-
-def rank_order(probes: dict[int, dict]) -> list[int]:
-    """Engine ids in rank order (see the module docstring)."""
-    ids = sorted(probes)
-    launcher = [probes[e].get("launcher_rank") for e in ids]
-    if None not in launcher and len(set(launcher)) == len(ids):
-        return sorted(ids, key=lambda e: probes[e]["launcher_rank"])
-    first: dict[str, int] = {}
-    for e in ids:
-        first.setdefault(probes[e]["machine"], len(first))
-    return sorted(ids, key=lambda e: (first[probes[e]["machine"]], e))
-
-
-def master_address(ordered: list[dict], here: str, loopback_only: bool) -> str:
-    """MASTER_ADDR: loopback when every rank is on this machine; otherwise an address of
-    rank 0's host that the others reach, which needs the network flag."""
-    machines = {p["machine"] for p in ordered}
-    if machines == {here}:
-        return "127.0.0.1"
-    hosts = sorted({p["host"] for p in ordered})
-    if loopback_only:
-        where = f"{len(machines)} hosts" if len(machines) > 1 else "another host"
-        raise PreflightError(
-            f"the engines run on {where} ({', '.join(hosts)}), so the ranks must "
-            "meet over the network: add --network to let rank 0's rendezvous store and Gloo listen "
-            f"on {ordered[0]['ip']} (connections between ranks are not encrypted; the ipyparallel "
-            "messages stay HMAC-signed)"
-        )
-    if ordered[0]["ip"].startswith("127."):
-        raise PreflightError(
-            f"rank 0's host {ordered[0]['host']} has no address off the machine (only "
-            f"{ordered[0]['ip']}): the other hosts could not reach its rendezvous store"
-        )
-    return ordered[0]["ip"]
 
 
 class AttachedCluster(DistCluster):
@@ -95,7 +59,6 @@ class AttachedCluster(DistCluster):
             ordered = [probes[e] for e in order]
             here = rt_bootstrap.machine_id()
             addr = master_address(ordered, here, config.loopback_only)
-            hosts = [p["machine"] for p in ordered]
             super().__init__(
                 n=len(order),
                 backend=backend,
@@ -103,13 +66,7 @@ class AttachedCluster(DistCluster):
                 timeout=timeout,
                 config=config,
                 gpu_ids=ordered[0]["gpus"],
-            )
-            self.plan = plan_cluster(
-                len(order),
-                backend,
-                gpus,
-                gpu_ids=ordered[0]["gpus"],
-                hosts=hosts,
+                hosts=[p["machine"] for p in ordered],
                 master_addr=addr,
             )
             if network:  # Gloo on the interface that holds each rank's address
@@ -124,7 +81,6 @@ class AttachedCluster(DistCluster):
         self._engine_order = order
         self._probes = probes
         self._here = here
-        self.notes = list(self.plan.notes)
         self.attached_to = {
             "profile": profile,
             "cluster_id": cluster_id,
@@ -163,17 +119,11 @@ class AttachedCluster(DistCluster):
         return self._probes[self.ranks[rank].engine_id]["machine"] == self._here
 
     def dead_ranks(self) -> dict[int, str]:
-        import psutil
-
         dead = {}
         registered = set(self._client.ids) if self._client is not None else set()
         for r in self.ranks:
             if self._local(r.rank):
-                try:
-                    gone = psutil.Process(r.pid).status() == psutil.STATUS_ZOMBIE
-                except psutil.NoSuchProcess:
-                    gone = True
-                if gone:
+                if not _pid_running(r.pid):
                     dead[r.rank] = "ended (its engine process is gone)"
             elif r.engine_id not in registered:
                 dead[r.rank] = "stopped answering the controller's heartbeat"

@@ -31,7 +31,7 @@ from . import launch
 from .config import DistConfig
 from .errors import ClusterError, PreflightError, TransferError
 from .execute import CellResult, PreparedCell, collect, prepare_cell
-from .plan import ClusterPlan, plan_cluster
+from .plan import ClusterPlan, plan_cluster, rank_order
 from .ranks import parse_ranks
 from .reaper import Reaper
 from .runtime import bootstrap as rt_bootstrap
@@ -78,6 +78,8 @@ class DistCluster:
         launcher: str = "local",
         config: DistConfig | None = None,
         gpu_ids: list[str] | None = None,
+        hosts: list[str] | None = None,
+        master_addr: str = "127.0.0.1",
     ):
         self.config = config or DistConfig()
         self.launcher = _check_launcher(launcher)
@@ -105,7 +107,9 @@ class DistCluster:
             "launcher": self.launcher,
             "slurm": dict(self.config.slurm),
         }
-        self.plan: ClusterPlan = plan_cluster(n, backend, gpus, gpu_ids=gpu_ids)
+        self.plan: ClusterPlan = plan_cluster(
+            n, backend, gpus, gpu_ids=gpu_ids, hosts=hosts, master_addr=master_addr
+        )
         self.port = port  # the rendezvous port (MASTER_PORT); None: the OS picks one
         if port is not None:
             _check_port(port, self._bind_host())
@@ -121,6 +125,7 @@ class DistCluster:
         self._profile_dir: str | None = None
         self._state = "new"
         self.last_watch: CellWatch | None = None
+        self._slurm_checked = 0.0  # when the Slurm job's state was last asked for
         self.shm_dir: str | None = None  # tmpfs folder for large tensors (local clusters)
         #: cells that ran cleanly on every rank since start, for %dist_restart --replay
         self.history: list[PreparedCell] = []
@@ -255,15 +260,13 @@ class DistCluster:
         self._engine_ids = sorted(client.ids)[:n]
         self._by_pid = {el.pid: el for el in launchers}
         if self.launcher in ("mpi", "slurm"):  # rank order = MPI rank / SLURM_PROCID order
-            from .attach import rank_order
-
             probes = client[self._engine_ids].apply_sync(rt_bootstrap.probe)
             self._engine_ids = rank_order(dict(zip(self._engine_ids, probes)))
 
     def _check_slurm_job(self, engine_set, registered: int, n: int) -> None:
         """While engines register: a job that ended (or was refused) is said at once."""
         now = time.monotonic()
-        if now - getattr(self, "_slurm_checked", 0.0) < 1.0:
+        if now - self._slurm_checked < 1.0:
             return
         self._slurm_checked = now
         state = launch.slurm_job_state(engine_set.job_id)

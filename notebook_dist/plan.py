@@ -208,3 +208,40 @@ def plan_cluster(
         cuda_visible_devices=cvd,
         notes=tuple(notes),
     )
+
+
+def rank_order(probes: dict[int, dict]) -> list[int]:
+    """Engine ids in rank order: by the launcher's own rank where every engine has one
+    (MPI, Slurm); otherwise hosts in the order of their first engine, engines by id within
+    a host, so LOCAL_RANK counts within each host as torchrun's does."""
+    ids = sorted(probes)
+    launcher = [probes[e].get("launcher_rank") for e in ids]
+    if None not in launcher and len(set(launcher)) == len(ids):
+        return sorted(ids, key=lambda e: probes[e]["launcher_rank"])
+    first: dict[str, int] = {}
+    for e in ids:
+        first.setdefault(probes[e]["machine"], len(first))
+    return sorted(ids, key=lambda e: (first[probes[e]["machine"]], e))
+
+
+def master_address(ordered: list[dict], here: str, loopback_only: bool) -> str:
+    """MASTER_ADDR: loopback when every rank is on this machine; otherwise an address of
+    rank 0's host that the others reach, which needs the network flag."""
+    machines = {p["machine"] for p in ordered}
+    if machines == {here}:
+        return "127.0.0.1"
+    hosts = sorted({p["host"] for p in ordered})
+    if loopback_only:
+        where = f"{len(machines)} hosts" if len(machines) > 1 else "another host"
+        raise PreflightError(
+            f"the engines run on {where} ({', '.join(hosts)}), so the ranks must "
+            "meet over the network: add --network to let rank 0's rendezvous store and Gloo listen "
+            f"on {ordered[0]['ip']} (connections between ranks are not encrypted; the ipyparallel "
+            "messages stay HMAC-signed)"
+        )
+    if ordered[0]["ip"].startswith("127."):
+        raise PreflightError(
+            f"rank 0's host {ordered[0]['host']} has no address off the machine (only "
+            f"{ordered[0]['ip']}): the other hosts could not reach its rendezvous store"
+        )
+    return ordered[0]["ip"]

@@ -13,8 +13,8 @@ import uuid
 import pytest
 from conftest import pids_alive
 
-from notebook_dist.attach import master_address, rank_order
 from notebook_dist.errors import PreflightError
+from notebook_dist.plan import master_address, rank_order
 
 PROFILE = "ndattach"
 

@@ -96,8 +96,21 @@ class DistMagics(Magics):
     @argument(
         "--launcher",
         default="local",
-        help="how to start the engines: local (default) or mpi (mpiexec); for ssh, slurm and "
-        "the rest, start them with ipcluster and attach with --profile/--cluster-id",
+        help="how to start the engines: local (default), mpi (mpiexec), slurm (one sbatch "
+        "job) or ssh (--hosts, with --network); for the rest, start them with ipcluster and "
+        "attach with --profile/--cluster-id",
+    )
+    @argument(
+        "--hosts",
+        default=None,
+        help="with --launcher ssh: the machines, e.g. node1,node2 (one rank each; -n spreads "
+        "more) or node1:2,me@node2:2",
+    )
+    @argument(
+        "--ssh",
+        default=None,
+        metavar="OPTIONS",
+        help='with --launcher ssh: options for ssh and scp, e.g. "-i ~/.ssh/key -o Port=2222"',
     )
     @argument(
         "--sbatch",
@@ -116,8 +129,9 @@ class DistMagics(Magics):
     @argument(
         "--network",
         action="store_true",
-        help="let ranks on several hosts meet over the network (rank 0's store and Gloo "
-        "listen on its address; needed when an attached cluster spans hosts)",
+        help="let ranks on several hosts meet over the network (the controller, rank 0's "
+        "store and Gloo listen on their hosts' addresses; needed for --launcher ssh and when "
+        "an attached cluster spans hosts)",
     )
     @line_magic
     def dist_init(self, line: str = ""):
@@ -134,11 +148,15 @@ class DistMagics(Magics):
         """
         args = parse_argstring(self.dist_init, line)
         attach = args.profile is not None or args.cluster_id is not None
-        if args.network and not attach:
+        ssh = args.launcher.lower() == "ssh"
+        if args.network and not (attach or ssh):
             raise UsageError(
-                "--network is for a cluster whose engines run on other hosts: attach to it "
-                "with --profile/--cluster-id (a cluster %dist_init starts is on this machine)"
+                "--network is for ranks on other hosts: --launcher ssh --hosts ..., or attach "
+                "to a cluster with --profile/--cluster-id (other launchers run on this machine)"
             )
+        for option, value in (("--hosts", args.hosts), ("--ssh", args.ssh)):
+            if value is not None and not ssh:
+                raise UsageError(f"{option} is for --launcher ssh")
         if attach and (args.port is not None or args.launcher != "local"):
             option = "--port" if args.port is not None else "--launcher"
             raise UsageError(f"{option} is for clusters %dist_init starts, not attached ones")
@@ -154,8 +172,23 @@ class DistMagics(Magics):
                 if args.sbatch is not None and args.launcher != "slurm":
                     raise UsageError("--sbatch is for --launcher slurm")
                 config = DistConfig(slurm={"options": args.sbatch} if args.sbatch else {})
+                hosts = None
+                if ssh:
+                    import shlex
+
+                    from notebook_dist.launch import parse_hosts
+
+                    hosts = parse_hosts(args.hosts or "")
+                    try:  # IPython keeps the quotes around a value: take them off first
+                        options = shlex.split(args.ssh or "")
+                        if len(options) == 1 and args.ssh.strip()[:1] in ("'", '"'):
+                            options = shlex.split(options[0])
+                    except ValueError as exc:
+                        raise UsageError(f"--ssh {args.ssh!r}: {exc}") from None
+                    config.ssh = {"ssh_args": options, "scp_args": list(options)}
+                    config.loopback_only = not args.network
                 wanted = DistCluster(
-                    port=args.port, launcher=args.launcher, config=config, **common
+                    port=args.port, launcher=args.launcher, config=config, ssh_hosts=hosts, **common
                 )
         except PreflightError as exc:
             raise _usage(exc) from None

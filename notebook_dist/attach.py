@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import tempfile
 import time
-from typing import Any
 
-from .cluster import DistCluster, RankInfo, _pid_running, _remote_message, _stop_loop_thread
+from .cluster import DistCluster, _remote_message, _stop_loop_thread
 from .config import DistConfig
 from .errors import ClusterError, PreflightError
-from .plan import master_address, rank_order
+from .plan import rank_order
 from .reaper import Reaper
 from .runtime import bootstrap as rt_bootstrap
 
@@ -58,21 +56,14 @@ class AttachedCluster(DistCluster):
             order = rank_order(probes)
             ordered = [probes[e] for e in order]
             here = rt_bootstrap.machine_id()
-            addr = master_address(ordered, here, config.loopback_only)
             super().__init__(
                 n=len(order),
                 backend=backend,
                 gpus=gpus,
                 timeout=timeout,
                 config=config,
-                gpu_ids=ordered[0]["gpus"],
-                hosts=[p["machine"] for p in ordered],
-                master_addr=addr,
+                placement=(ordered, here),
             )
-            if network:  # Gloo on the interface that holds each rank's address
-                for rp, p in zip(self.plan.ranks, ordered):
-                    if p.get("iface"):
-                        rp.env["GLOO_SOCKET_IFNAME"] = p["iface"]
         except BaseException:
             client.close()
             _stop_loop_thread(client)
@@ -80,7 +71,6 @@ class AttachedCluster(DistCluster):
         self._client_ready = client
         self._engine_order = order
         self._probes = probes
-        self._here = here
         self.attached_to = {
             "profile": profile,
             "cluster_id": cluster_id,
@@ -103,44 +93,12 @@ class AttachedCluster(DistCluster):
         self._engine_ids = list(self._engine_order)
         self._by_pid = {}
 
-    def _bootstrap_ranks(self) -> None:
-        super()._bootstrap_ranks()
-        for r in self.ranks:  # the host name, not the machine key used for LOCAL_RANK
-            p = self._probes[r.engine_id]
-            self.ranks[r.rank] = RankInfo(
-                r.rank, r.engine_id, p["host"], r.pid, r.device, r.backend
-            )
-
     @property
     def cluster_id(self) -> str:
         return self.attached_to["cluster_id"] or "default"
 
-    def _local(self, rank: int) -> bool:
-        return self._probes[self.ranks[rank].engine_id]["machine"] == self._here
-
-    def dead_ranks(self) -> dict[int, str]:
-        dead = {}
-        registered = set(self._client.ids) if self._client is not None else set()
-        for r in self.ranks:
-            if self._local(r.rank):
-                if not _pid_running(r.pid):
-                    dead[r.rank] = "ended (its engine process is gone)"
-            elif r.engine_id not in registered:
-                dead[r.rank] = "stopped answering the controller's heartbeat"
-        return dead
-
     def controller_alive(self) -> bool:
         return self._client is not None and not getattr(self._client, "_closed", False)
-
-    def interrupt(self, ranks: Any = None) -> None:
-        for r in self.select(ranks):
-            if self._local(r):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.ranks[r].pid, signal.SIGINT)
-            else:
-                self._client.send_signal(
-                    signal.SIGINT, targets=[self.ranks[r].engine_id], block=False
-                )
 
     def restarted(self) -> DistCluster:
         raise ClusterError(

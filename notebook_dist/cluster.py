@@ -31,7 +31,7 @@ from . import launch
 from .config import DistConfig
 from .errors import ClusterError, PreflightError, TransferError
 from .execute import CellResult, PreparedCell, collect, prepare_cell
-from .plan import ClusterPlan, plan_cluster, rank_order
+from .plan import ClusterPlan, plan_cluster, plan_on_engines, rank_order
 from .ranks import parse_ranks
 from .reaper import Reaper
 from .runtime import bootstrap as rt_bootstrap
@@ -51,6 +51,7 @@ class RankInfo:
     pid: int
     device: str
     backend: str
+    machine: str = ""  # machine_id(): which ranks share a host with the notebook
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,12 +78,29 @@ class DistCluster:
         port: int | None = None,
         launcher: str = "local",
         config: DistConfig | None = None,
-        gpu_ids: list[str] | None = None,
-        hosts: list[str] | None = None,
-        master_addr: str = "127.0.0.1",
+        ssh_hosts: dict[str, int] | None = None,
+        placement: tuple[list[dict], str] | None = None,
     ):
+        """``ssh_hosts`` (``--launcher ssh``): engines per host, e.g. ``{"node1": 2}``.
+        ``placement``: for engines that already run, their probes in rank order and this
+        machine's id (see :func:`notebook_dist.plan.plan_on_engines`)."""
         self.config = config or DistConfig()
         self.launcher = _check_launcher(launcher)
+        self._here = rt_bootstrap.machine_id()
+        self.ssh_hosts: dict[str, int] = {}
+        if self.launcher == "ssh":
+            self.ssh_hosts = launch.spread_over_hosts(ssh_hosts or {}, n)
+            if self.config.loopback_only:
+                raise PreflightError(
+                    "--launcher ssh starts ranks on other hosts, so they must meet over the "
+                    "network: add --network (the controller then listens on this machine's "
+                    "address towards the hosts, rank 0's rendezvous store and Gloo on rank 0's; "
+                    "ipyparallel's messages stay HMAC-signed, the ranks' traffic is not encrypted)"
+                )
+            if shutil.which("ssh") is None:
+                raise PreflightError(
+                    "--launcher ssh needs ssh on the PATH (apt-get install openssh-client)"
+                )
         self._mpiexec = shutil.which("mpiexec") if self.launcher == "mpi" else None
         if self.launcher == "mpi" and self._mpiexec is None:
             raise PreflightError(
@@ -106,14 +124,22 @@ class DistCluster:
             "port": port,
             "launcher": self.launcher,
             "slurm": dict(self.config.slurm),
+            "ssh": (dict(self.ssh_hosts), repr(self.config.ssh)),
         }
-        self.plan: ClusterPlan = plan_cluster(
-            n, backend, gpus, gpu_ids=gpu_ids, hosts=hosts, master_addr=master_addr
-        )
+        if placement is not None:
+            self.plan: ClusterPlan = plan_on_engines(
+                *placement, self.config.loopback_only, n, backend, gpus
+            )
+        elif self.ssh_hosts:  # provisional: the hosts' GPUs are known once their engines run
+            hosts = [h for h, count in self.ssh_hosts.items() for _ in range(count)]
+            self.plan = plan_cluster(len(hosts), "gloo", None, gpu_ids=[], hosts=hosts)
+        else:
+            self.plan = plan_cluster(n, backend, gpus)
         self.port = port  # the rendezvous port (MASTER_PORT); None: the OS picks one
-        if port is not None:
+        if port is not None and not self.ssh_hosts:
             _check_port(port, self._bind_host())
-        _check_python(self.config.python)
+        if not self.ssh_hosts:  # (a remote Python is checked by ipyparallel over ssh)
+            _check_python(self.config.python)
         self.ranks: list[RankInfo] = []
         self.notes: list[str] = list(self.plan.notes)
         self.startup_s: float | None = None
@@ -193,15 +219,24 @@ class DistCluster:
             launcher_class = launch.RankSlurmEngineSetLauncher
             for key, value in self.config.slurm.items():
                 setattr(cfg.RankSlurmEngineSetLauncher, key, value)
+        elif self.launcher == "ssh":
+            launcher_class = launch.RankSSHEngineSetLauncher
+            settings = launch.ssh_settings(self.ssh_hosts, self.config, self._profile_dir)
+            for key, value in settings.items():
+                setattr(cfg.RankSSHEngineSetLauncher, key, value)
         else:
             launcher_class = launch.RankEngineSetLauncher
             cfg.RankEngineSetLauncher.delay = 0.0
         getattr(cfg, launcher_class.__name__).engine_cmd = launch.engine_cmd(self.config.python)
         getattr(cfg, launcher_class.__name__).environment = env
+        if self.launcher == "ssh":  # only the address the hosts reach this machine at
+            controller_ip = launch.address_towards(next(iter(self.ssh_hosts)), self.config)
+        else:
+            controller_ip = "127.0.0.1" if self.config.loopback_only else ""
         self._cluster = cluster = ipp.Cluster(
             n=n,
             profile_dir=self._profile_dir,
-            controller_ip="127.0.0.1" if self.config.loopback_only else "",
+            controller_ip=controller_ip,
             engine_launcher_class=launcher_class,
             controller_args=[f"--HeartMonitor.period={int(self.config.heartbeat_ms)}"],
             delay=0.0,
@@ -225,22 +260,34 @@ class DistCluster:
                 f"{' '.join(map(str, exc.cmd))} failed (exit {exc.returncode})"
                 + (f": {said}" if said else "")
             ) from None
+        except Exception as exc:
+            if self.launcher != "ssh":
+                raise
+            for es in cluster.engines.values():  # stop only the engines that did start
+                for key, el in list(es.launchers.items()):
+                    if el.pid <= 0:
+                        del es.launchers[key]
+            raise ClusterError(  # ssh could not log in, or the host has no such Python
+                f"could not start the engines over ssh: {exc}. Check that `ssh HOST` works "
+                f"without a password (add options with --ssh) and that {self.config.python} "
+                "on each host has notebook_dist and torch (DistConfig.python)"
+            ) from None
         engine_set = cluster.engines[engine_set_id]
         launchers = list(getattr(engine_set, "launchers", {}).values())
-        for el in launchers:
+        local = [el for el in launchers if launch.is_local(el)]
+        for el in local:
             self._reaper.watch(el.pid)
         if not launchers and self.launcher == "mpi":  # mpiexec: one process starts them all
             self._reaper.watch(engine_set.pid)
         self._client = client = cluster.connect_client_sync()
         deadline = time.monotonic() + self.config.start_timeout_s
         while len(client.ids) < n:
-            dead = [el for el in launchers if el.exited.is_set()]
+            dead = [el for el in launchers if launch.has_ended(el)]
             if dead:
-                el = dead[0]
-                log_tail = _tail(el.output_file)
+                code, on_host, log_file, log_tail = launch.end_report(dead[0])
                 raise ClusterError(
-                    f"an engine {launch.describe_exit(el.exit_code)} while starting"
-                    f"{self._import_hint(log_tail)}. Its log ({el.output_file}) ends:\n{log_tail}"
+                    f"an engine{on_host} {launch.describe_exit(code)} while starting"
+                    f"{self._import_hint(log_tail)}. Its log ({log_file}) ends:\n{log_tail}"
                 )
             if self.launcher == "slurm":
                 self._check_slurm_job(engine_set, len(client.ids), n)
@@ -258,10 +305,19 @@ class DistCluster:
                 )
             time.sleep(0.02)
         self._engine_ids = sorted(client.ids)[:n]
-        self._by_pid = {el.pid: el for el in launchers}
-        if self.launcher in ("mpi", "slurm"):  # rank order = MPI rank / SLURM_PROCID order
-            probes = client[self._engine_ids].apply_sync(rt_bootstrap.probe)
-            self._engine_ids = rank_order(dict(zip(self._engine_ids, probes)))
+        self._by_pid = {el.pid: el for el in local}
+        if self.launcher in ("mpi", "slurm", "ssh"):  # MPI rank / SLURM_PROCID / host order
+            probes = dict(
+                zip(self._engine_ids, client[self._engine_ids].apply_sync(rt_bootstrap.probe))
+            )
+            self._engine_ids = rank_order(probes)
+            if self.launcher == "ssh":  # now the hosts' GPUs and addresses are known
+                ordered = [probes[e] for e in self._engine_ids]
+                request = self.request
+                self.plan = plan_on_engines(
+                    ordered, self._here, False, n, request["backend"], request["gpus"]
+                )
+                self.notes = list(self.plan.notes)
 
     def _check_slurm_job(self, engine_set, registered: int, n: int) -> None:
         """While engines register: a job that ended (or was refused) is said at once."""
@@ -289,9 +345,16 @@ class DistCluster:
     def _bind_host(self) -> str:
         return "127.0.0.1" if self.config.loopback_only else ""
 
+    def _rendezvous_port(self) -> int:
+        """A free port on rank 0's host: picked there when rank 0 is on another machine."""
+        addr = self.plan.ranks[0].env["MASTER_ADDR"]
+        if addr.startswith("127."):
+            return free_port()
+        return self._client[self._engine_ids[0]].apply_sync(free_port, addr)
+
     def _bootstrap_ranks(self) -> None:
         client = self._client
-        port = self.port or free_port()
+        port = self.port or self._rendezvous_port()
         ars = []
         for rp, eid in zip(self.plan.ranks, self._engine_ids):
             env = dict(rp.env, MASTER_PORT=str(port))
@@ -321,7 +384,15 @@ class DistCluster:
         overridden: dict[str, str] = {}
         for rank, (info, eid) in enumerate(zip(infos, self._engine_ids)):
             self.ranks.append(
-                RankInfo(rank, eid, info["host"], info["pid"], info["device"], info["backend"])
+                RankInfo(
+                    rank,
+                    eid,
+                    info["host"],
+                    info["pid"],
+                    info["device"],
+                    info["backend"],
+                    info["machine"],
+                )
             )
             self._launchers[rank] = self._by_pid.get(info["pid"])
             overridden.update(info["overridden"])
@@ -343,8 +414,10 @@ class DistCluster:
         if self._state == "stopped":
             return
         self._state = "stopping"
-        pids = [getattr(el, "pid", None) for el in self._all_launchers()]  # (a Slurm job has none)
-        pids += [r.pid for r in self.ranks]
+        # local processes only (a Slurm job has no pid; an ssh launcher's pid is remote)
+        launchers = self._all_launchers()  # (stopping the cluster forgets them)
+        pids = [getattr(el, "pid", None) for el in launchers if launch.is_local(el)]
+        pids += [r.pid for r in self.ranks if self._local(r.rank)]
         if self._cluster is not None and self._cluster.controller is not None:
             pids.append(self._cluster.controller.pid)
         self._exit_idle_ranks()
@@ -359,6 +432,8 @@ class DistCluster:
             except Exception as exc:
                 log.debug("stop_cluster failed: %s", exc)
             _stop_loop_thread(self._cluster)
+            launch.remove_remote_dirs(launchers, also=self._profile_dir)
+            self._cluster.shutdown_atexit = False  # what it could not stop, we end below
         # whatever ipyparallel did not stop, we do (by pid, only what we started)
         from .reaper import end_processes, process_start_time
 
@@ -379,7 +454,9 @@ class DistCluster:
         launchers = [
             el for el in self._launchers.values() if el is not None and not el.exited.is_set()
         ]
-        others = [r.pid for r in self.ranks if self._launchers.get(r.rank) is None]
+        others = [
+            r.pid for r in self.ranks if self._launchers.get(r.rank) is None and self._local(r.rank)
+        ]
         if not launchers and not others:
             return
         try:
@@ -423,15 +500,27 @@ class DistCluster:
                 f"the cluster is {self._state}: start one with %dist_init (or DistCluster.start())"
             )
 
+    def _local(self, rank: int) -> bool:
+        """Whether the rank runs on this machine (its pid can be signalled here)."""
+        return self.ranks[rank].machine in ("", self._here)
+
     def dead_ranks(self) -> dict[int, str]:
         """Ranks whose engine process has ended, with how it ended."""
         dead = {}
-        for rank, el in self._launchers.items():
+        registered: set[int] | None = None
+        for r in self.ranks:
+            el = self._launchers.get(r.rank)
             if el is not None:
                 if el.exited.is_set():
-                    dead[rank] = launch.describe_exit(el.exit_code)
-            elif not _pid_running(self.ranks[rank].pid):  # started by mpiexec: no exit code
-                dead[rank] = "ended (its engine process is gone)"
+                    dead[r.rank] = launch.describe_exit(el.exit_code)
+            elif self._local(r.rank):  # started by mpiexec or someone else: no exit code
+                if not _pid_running(r.pid):
+                    dead[r.rank] = "ended (its engine process is gone)"
+            else:
+                if registered is None:
+                    registered = set(self._client.ids) if self._client is not None else set()
+                if r.engine_id not in registered:
+                    dead[r.rank] = "stopped answering the controller's heartbeat"
         return dead
 
     def fault_report(self, rank: int) -> dict[str, Any]:
@@ -439,10 +528,14 @@ class DistCluster:
         from .runtime.tracker import COLLECTIVES
 
         path = self._control_file(rank).replace("release-rank-", "fault-rank-")
+        el = self._ssh_launcher(rank)
         try:
-            with open(path, errors="replace") as f:
-                text = f.read()
-        except OSError:
+            if el is not None:  # on its own host, read there
+                text = launch.read_remote_file(el, path)
+            else:
+                with open(path, errors="replace") as f:
+                    text = f.read()
+        except Exception:
             return {}
         section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
         out: dict[str, Any] = {}
@@ -572,6 +665,7 @@ class DistCluster:
             port=self.request["port"],
             launcher=self.launcher,
             config=self.config,
+            ssh_hosts=self.ssh_hosts or None,
         )
         history = list(self.history)
         self.shutdown()
@@ -594,28 +688,49 @@ class DistCluster:
     def release_collectives(self, ranks: list[int], token: str) -> None:
         """Ask the ranks' agents to close their Gloo connections (see runtime.recover),
         for the cell ``token`` only."""
+        remote = []
         for r in ranks:
             path = self._control_file(r)
+            el = self._ssh_launcher(r)
+            if el is not None:
+                remote.append((el, path))
+                continue
             with open(path, "w") as f:
                 f.write(token)
             now = time.time_ns()
             os.utime(path, ns=(now, now))
+        if remote:  # ranks on other hosts: written there over ssh, the hosts side by side
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(remote)) as pool:
+                for el, path in remote:
+                    pool.submit(launch.write_remote_file, el, path, token)
+
+    def _ssh_launcher(self, rank: int):
+        """The ssh launcher of a rank --launcher ssh started on another host, else None:
+        its control files are on that host (ranks are in the launchers' order)."""
+        if self.launcher != "ssh" or self._local(rank):
+            return None
+        launchers = [el for el in self._all_launchers() if not launch.is_local(el)]
+        return launchers[rank] if rank < len(launchers) else None
 
     def rebuild_process_group(self) -> float:
         """A fresh default process group on every rank (after a release); returns seconds."""
         t0 = time.perf_counter()
-        port = free_port()
+        port = self._rendezvous_port()
         self.apply(rt_recover.reinit, port, timeout=60)
         return time.perf_counter() - t0
 
     def interrupt(self, ranks: Any = None) -> None:
         """Send SIGINT to the selected ranks (like the notebook's stop button)."""
         for r in self.select(ranks):
-            info = self.ranks[r]
-            try:
-                os.kill(info.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
+            if self._local(r):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.ranks[r].pid, signal.SIGINT)
+            else:  # through the controller, which asks the engine's host
+                self._client.send_signal(
+                    signal.SIGINT, targets=[self.ranks[r].engine_id], block=False
+                )
 
     def apply(
         self, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs
@@ -789,12 +904,12 @@ def _stop_loop_thread(obj) -> None:
     obj._async_thread = None
 
 
-LAUNCHERS = ("local", "mpi", "slurm")
+LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 
 
 def _check_launcher(launcher: str) -> str:
     name = (launcher or "local").lower()
-    if name in ("ssh", "sshproxy", "pbs", "sge", "lsf", "htcondor"):
+    if name in ("sshproxy", "pbs", "sge", "lsf", "htcondor"):
         raise PreflightError(
             f"--launcher {name}: start the engines with ipyparallel's own launcher, e.g. "
             f"ipcluster start --engines {name} --profile P --cluster-id C -n N --daemonize, "
@@ -802,7 +917,7 @@ def _check_launcher(launcher: str) -> str:
         )
     if name not in LAUNCHERS:
         raise PreflightError(
-            f"unknown launcher {launcher!r}: use local, mpi or slurm (or attach to an ipcluster "
+            f"unknown launcher {launcher!r}: use local, mpi, slurm or ssh (or attach to an ipcluster "
             "started with any ipyparallel launcher, with --profile/--cluster-id)"
         )
     return name

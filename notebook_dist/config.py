@@ -69,6 +69,12 @@ class DistConfig:
     partition), ``account``, ``qos``, ``timelimit``, and ``options`` (more ``#SBATCH``
     lines, e.g. ``"--gres=gpu:1 --cpus-per-task=4"``; ``%dist_init --sbatch``)."""
 
+    ssh: dict = field(default_factory=dict)
+    """For ``--launcher ssh``: ipyparallel's SSH launcher settings, e.g. ``ssh_args`` and
+    ``scp_args`` (lists; ``%dist_init --ssh "-i KEY -o ..."`` sets both),
+    ``remote_profile_dir`` (default: a fresh folder in each host's /tmp, removed at
+    shutdown). The engines run ``python`` on each host."""
+
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment variables for every rank (set before torch initialises CUDA)."""
 

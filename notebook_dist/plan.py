@@ -245,3 +245,29 @@ def master_address(ordered: list[dict], here: str, loopback_only: bool) -> str:
             f"{ordered[0]['ip']}): the other hosts could not reach its rendezvous store"
         )
     return ordered[0]["ip"]
+
+
+def plan_on_engines(
+    ordered: list[dict],
+    here: str,
+    loopback_only: bool,
+    n: int | None = None,
+    backend: str = "auto",
+    gpus: str | list[int] | None = None,
+) -> ClusterPlan:
+    """The plan for engines that already run, from their probes in rank order: LOCAL_RANK
+    by host, GPUs as rank 0's host sees them, MASTER_ADDR from :func:`master_address` and,
+    over the network, Gloo on the interface that holds each rank's address."""
+    plan = plan_cluster(
+        n,
+        backend,
+        gpus,
+        gpu_ids=ordered[0]["gpus"],
+        hosts=[p["machine"] for p in ordered],
+        master_addr=master_address(ordered, here, loopback_only),
+    )
+    if not loopback_only:
+        for rp, p in zip(plan.ranks, ordered):
+            if p.get("iface"):
+                rp.env["GLOO_SOCKET_IFNAME"] = p["iface"]
+    return plan

@@ -141,7 +141,7 @@ def test_attach_errors_are_plain(ipcluster, no_current, run):
     out = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id} --port 1234")
     assert str(out.error) == "--port is for clusters %dist_init starts, not attached ones"
     out = run("%dist_init --network")
-    assert str(out.error).startswith("--network is for a cluster whose engines run on other hosts")
+    assert str(out.error).startswith("--network is for ranks on other hosts")
 
 
 def test_attach_to_nothing_says_how_to_start_one(no_current, run):

@@ -99,6 +99,8 @@ OPTIONS: dict[str, dict[str, list[str]]] = {
         "--cluster-id": ["nope", ""],
         "--network": [""],
         "--launcher": ["local", "mpi", "ssh", "slurm", "nope"],
+        "--hosts": ["node1,node2", "a:2,b:2", "a:0", "a,a", "a:2,b", ":", "-x", "u@h"],
+        "--ssh": ["'-o Port=2222'", "'-i key'", '"\'"'],
     },
     "dist_push": {"--ranks": RANKS},
     "dist_pull": {"--ranks": RANKS},

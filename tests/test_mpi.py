@@ -66,18 +66,46 @@ def test_a_rank_ending_under_mpi_is_reported_and_restart_brings_fresh_ranks(no_c
 
 
 def test_launcher_preflight_errors(no_current, run, monkeypatch):
-    out = run("%dist_init --launcher ssh")
-    assert str(out.error).startswith(
-        "--launcher ssh: start the engines with ipyparallel's own launcher, e.g. ipcluster "
-        "start --engines ssh"
-    )
-    out = run("%dist_init --launcher carrier-pigeon")
-    assert str(out.error).startswith("unknown launcher 'carrier-pigeon': use local, mpi or slurm")
+    said = {
+        line: str(run(f"%dist_init {line}").error)
+        for line in (
+            "--launcher sge",
+            "--launcher carrier-pigeon",
+            "--launcher ssh",
+            "--launcher ssh --hosts node1,node2",
+            "--launcher ssh --hosts node1:2,node2:2 -n 3 --network",
+            "--launcher ssh --hosts node1:2,node2 --network",
+            "--launcher ssh --hosts node1 --network -n 0",
+            "--hosts node1",
+            "--ssh '-i key'",
+            "--network",
+        )
+    }
+    expected = {
+        "--launcher sge": "--launcher sge: start the engines with ipyparallel's own launcher, "
+        "e.g. ipcluster start --engines sge",
+        "--launcher carrier-pigeon": "unknown launcher 'carrier-pigeon': use local, mpi, slurm or ssh",
+        "--launcher ssh": "--launcher ssh needs --hosts, the machines to start ranks on",
+        "--launcher ssh --hosts node1,node2": "--launcher ssh starts ranks on other hosts, so "
+        "they must meet over the network: add --network",
+        "--launcher ssh --hosts node1:2,node2:2 -n 3 --network": "-n 3 asked, but --hosts adds "
+        "up to 4 ranks",
+        "--launcher ssh --hosts node1:2,node2 --network": "--hosts: give a count for every host "
+        "or for none",
+        "--launcher ssh --hosts node1 --network -n 0": "-n 0: a cluster needs at least one rank",
+        "--hosts node1": "--hosts is for --launcher ssh",
+        "--ssh '-i key'": "--ssh is for --launcher ssh",
+        "--network": "--network is for ranks on other hosts",
+    }
+    for line, start in expected.items():
+        assert said[line].startswith(start), (line, said[line])
     monkeypatch.setenv("PATH", "/nonexistent")
     out = run("%dist_init --launcher mpi")
     assert str(out.error).startswith("--launcher mpi needs mpiexec on the PATH")
     out = run("%dist_init --launcher slurm")
     assert str(out.error).startswith("--launcher slurm needs sbatch on the PATH")
+    out = run("%dist_init --launcher ssh --hosts node1 --network")
+    assert str(out.error).startswith("--launcher ssh needs ssh on the PATH")
     out = run('%dist_init --sbatch "--time=5"')
     assert str(out.error) == "--sbatch is for --launcher slurm"
 

@@ -13,8 +13,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import DDP_IN_SYNC
@@ -54,19 +57,23 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    """Two 'hosts' (netns + own UTS name + sshd) on a bridge; the kernel side is 10.213.0.1."""
+    """Two 'hosts' on a bridge, each a network namespace with its own host name, its own
+    /tmp (a tmpfs: what one host writes there the others and the notebook do not see, as
+    between real machines) and sshd; the kernel side is 10.213.0.1."""
     tmp = tmp_path_factory.mktemp("hosts")
     key = tmp / "id_ed25519"
     sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key))
-    sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "host_key"))
-    (tmp / "authorized_keys").write_text((tmp / "id_ed25519.pub").read_text())
-    os.chmod(tmp / "authorized_keys", 0o600)
+    etc = Path(tempfile.mkdtemp(prefix="nd-hosts-", dir="/run"))  # sshd's files, not in /tmp
+    sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(etc / "host_key"))
+    (etc / "authorized_keys").write_text((tmp / "id_ed25519.pub").read_text())
+    os.chmod(etc / "authorized_keys", 0o600)
     os.makedirs("/run/sshd", exist_ok=True)
     sshds: list[subprocess.Popen] = []
     made: list[str] = []
     sh("ip", "link", "del", BRIDGE, check=False)  # left by a run that was killed
-    for name in HOSTS:
+    for i, name in enumerate(HOSTS, 1):
         sh("ip", "netns", "del", f"nd-{name}", check=False)
+        sh("ip", "link", "del", f"ndv{i}", check=False)
     try:
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
         made.append("bridge")
@@ -82,12 +89,13 @@ def hosts(tmp_path_factory):
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
             sh("ip", "-n", ns, "route", "add", "default", "via", f"{NET}.1")
-            cfg = tmp / f"sshd_{name}.conf"
+            cfg = etc / f"sshd_{name}.conf"
             cfg.write_text(
-                f"ListenAddress {addr}\nPort 22\nHostKey {tmp / 'host_key'}\n"
-                f"AuthorizedKeysFile {tmp / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
+                f"ListenAddress {addr}\nPort 22\nHostKey {etc / 'host_key'}\n"
+                f"AuthorizedKeysFile {etc / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
                 "PasswordAuthentication no\nStrictModes no\nUsePAM no\nPidFile none\n"
                 "AcceptEnv *\nPermitUserEnvironment yes\n"
+                "Subsystem sftp /usr/lib/openssh/sftp-server\n"
             )
             sshds.append(
                 subprocess.Popen(
@@ -98,9 +106,11 @@ def hosts(tmp_path_factory):
                         ns,
                         "unshare",
                         "--uts",
+                        "--mount",
                         "sh",
                         "-c",
-                        f"hostname {name} && exec {SSHD} -D -e -f {cfg}",
+                        f"hostname {name} && mount -t tmpfs -o mode=1777 tmpfs /tmp && "
+                        f"exec {SSHD} -D -e -f {cfg}",
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=open(tmp / f"sshd_{name}.log", "w"),  # noqa: SIM115
@@ -128,7 +138,14 @@ def hosts(tmp_path_factory):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"sshd on {addr} did not answer: {r.stderr}")
                 time.sleep(0.3)
-        yield {"tmp": tmp, "ssh_opts": ssh_opts}
+
+        def exists_on(addr: str, path: str) -> bool:
+            return (
+                sh("ssh", *ssh_opts, f"root@{addr}", "test", "-e", path, check=False).returncode
+                == 0
+            )
+
+        yield {"tmp": tmp, "ssh_opts": ssh_opts, "exists_on": exists_on}
     finally:
         for p in sshds:  # each sshd leads its own session: end it and its children
             try:
@@ -141,6 +158,7 @@ def hosts(tmp_path_factory):
                 sh("ip", "link", "del", BRIDGE, check=False)
             else:
                 sh("ip", "netns", "del", thing, check=False)
+        shutil.rmtree(etc, ignore_errors=True)
 
 
 @pytest.fixture
@@ -241,3 +259,101 @@ def test_two_hosts_meet_over_the_network(ssh_cluster, no_current, run):
         assert "0.0.0.0" not in addrs and "::" not in addrs, (rank, addrs)
     out = run("%dist_shutdown")
     assert "the engines keep running" in out.stdout
+
+
+def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
+    """%dist_init --launcher ssh: ipyparallel's SSH launcher, started by notebook_dist."""
+    import shlex
+
+    import psutil
+
+    from notebook_dist import session
+
+    a, b = HOSTS.values()
+    line = (
+        f"%dist_init --launcher ssh --hosts root@{a}:2,root@{b}:1 "
+        f"--ssh {shlex.quote(' '.join(hosts['ssh_opts']))}"
+    )
+    out = run(line)
+    assert type(out.error).__name__ == "UsageError"
+    assert "add --network" in str(out.error) and "HMAC-signed" in str(out.error)
+    out = run(line + " --network")
+    assert out.error is None, out.output
+    rows = [ln.split() for ln in out.stdout.strip().splitlines()[1:4]]
+    assert [r[1] for r in rows] == ["node1", "node1", "node2"], out.stdout
+    cluster = session.current()
+    print(f"--launcher ssh: 3 ranks on 2 hosts started in {cluster.startup_s:.1f} s")
+    engine_set = cluster._cluster.engines[next(iter(cluster._cluster.engines))]
+    remote_dirs = {(el.hostname, el.remote_profile_dir) for el in engine_set.launchers.values()}
+    remote_dirs |= {(addr, cluster._profile_dir) for addr in (a, b)}  # the ranks' control files
+    assert len(remote_dirs) == 4
+    assert all(hosts["exists_on"](*where) for where in remote_dirs), remote_dirs
+    assert not any(os.path.exists(d) for _, d in remote_dirs if d != cluster._profile_dir)
+
+    # the controller listens on the bridge address (and loopback, for its own schedulers),
+    # not on every interface
+    controller = psutil.Process(cluster._cluster.controller.pid)
+    listening = {
+        c.laddr.ip
+        for p in [controller, *controller.children(recursive=True)]
+        for c in p.net_connections("inet")
+        if c.status == "LISTEN"
+    }
+    assert listening == {f"{NET}.1", "127.0.0.1"}, listening
+
+    out = run(
+        "%%distributed\nimport os, socket\nt = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\n"
+        "(float(t), socket.gethostname(), os.environ['LOCAL_RANK'], "
+        "os.environ['LOCAL_WORLD_SIZE'], os.environ['GROUP_RANK'], os.environ['MASTER_ADDR'], "
+        "os.environ['GLOO_SOCKET_IFNAME'], os.getpid())"
+    )
+    assert out.error is None, out.output
+    values = dict(out.result.result)
+    assert {v[0] for v in values.values()} == {6.0}
+    assert [v[1:5] for v in values.values()] == [
+        ("node1", "0", "2", "0"),
+        ("node1", "1", "2", "0"),
+        ("node2", "0", "1", "1"),
+    ]
+    assert {v[5] for v in values.values()} == {a}  # rank 0's own address, not 127.0.0.1
+    assert {v[6] for v in values.values()} == {"eth0"}
+    pids = [v[7] for v in values.values()]
+
+    out = run("%%distributed\n" + DDP_IN_SYNC)
+    assert out.error is None, out.output
+    assert dict(out.result.result) == {0: True, 1: True, 2: True}
+
+    # ranks on other hosts left waiting in a collective by a rank that raised are released
+    # (their control file is written on their host, over ssh) and keep their state
+    t0 = time.monotonic()
+    out = run(
+        "%%distributed\nx = 7\nif nd.rank == 2:\n    raise ValueError('rank 2 broke')\n"
+        "dist.all_reduce(torch.ones(1))"
+    )
+    took = time.monotonic() - t0
+    assert "rank 2 broke" in out.output
+    assert "released ranks 0, 1 from collectives that could not complete" in out.output, out.output
+    assert took < 20, took
+    out = run("%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\n(x, float(t))")
+    assert out.error is None, out.output
+    assert dict(out.result.result) == {0: (7, 3.0), 1: (7, 3.0), 2: (7, 3.0)}
+    print(f"release over ssh: the failed cell ended in {took:.1f} s")
+
+    # a rank on another host is interrupted through the controller
+    run("%%distributed\nkept = nd.rank + 100")
+    timer = threading.Timer(3.0, lambda: signal.raise_signal(signal.SIGINT))
+    timer.start()
+    out = run("%%distributed --ranks 2\nimport time\nfor _ in range(600):\n    time.sleep(0.05)")
+    timer.cancel()
+    assert isinstance(out.error, KeyboardInterrupt), out.output
+    out = run("%%distributed\nkept")
+    assert dict(out.result.result) == {0: 100, 1: 101, 2: 102}
+
+    out = run("%dist_shutdown")
+    assert out.error is None, out.output
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if psutil.pid_exists(p)], "engines left running on the hosts"
+    left = [where for where in remote_dirs if hosts["exists_on"](*where)]
+    assert not left, f"folders left on the hosts: {left}"

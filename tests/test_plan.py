@@ -142,3 +142,38 @@ def test_more_local_ranks_than_the_machine_can_run_is_refused():
         f"at most {max_local_ranks()} ranks on one machine)"
     )
     assert plan_cluster(n=max_local_ranks(), gpu_ids=[]).world_size == max_local_ranks()
+
+
+@pytest.mark.parametrize(
+    ("hosts", "n", "engines"),
+    [
+        ("node1,node2", None, {"node1": 1, "node2": 1}),
+        ("node1,node2,node3", 7, {"node1": 3, "node2": 2, "node3": 2}),
+        ("me@node1:2,node2:1", None, {"me@node1": 2, "node2": 1}),
+        ("me@node1:2, node2:1,", 3, {"me@node1": 2, "node2": 1}),
+    ],
+)
+def test_ssh_hosts_are_spread_as_asked(hosts, n, engines):
+    from notebook_dist.launch import parse_hosts, spread_over_hosts
+
+    assert spread_over_hosts(parse_hosts(hosts), n) == engines
+
+
+@pytest.mark.parametrize(
+    ("hosts", "n", "message"),
+    [
+        ("", None, "--launcher ssh needs --hosts"),
+        ("a:0", None, "--hosts: 'a:0': after ':' give how many ranks that host runs"),
+        ("a:x", None, "--hosts: 'a:x': after ':' give how many ranks"),
+        ("a,a:2", None, "--hosts lists a twice"),
+        ("-oProxyCommand=x", None, "--hosts: '-oProxyCommand=x' is not an ssh destination"),
+        (":3", None, "--hosts: ':3' is not an ssh destination"),
+        ("a,b,c", 2, "-n 2 is fewer ranks than the 3 hosts given"),
+    ],
+)
+def test_ssh_hosts_refused_with_a_reason(hosts, n, message):
+    from notebook_dist.launch import parse_hosts, spread_over_hosts
+
+    with pytest.raises(PreflightError) as err:
+        spread_over_hosts(parse_hosts(hosts), n)
+    assert str(err.value).startswith(message), str(err.value)

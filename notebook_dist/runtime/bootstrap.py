@@ -135,6 +135,7 @@ def bootstrap(
     return {
         "rank": rank,
         "host": socket.gethostname(),
+        "machine": machine_id(),
         "pid": os.getpid(),
         "device": device,
         "backend": dist.get_backend(),
@@ -191,6 +192,9 @@ def _enable_fault_report(path: str) -> None:
     import faulthandler
 
     old = STATE.extras.get("fault_file")
+    # on another host without the notebook's filesystem the folder is made there (and
+    # removed at shutdown by the ssh launcher)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     f = open(path, "w")  # noqa: SIM115 - must stay open for the life of the process
     faulthandler.enable(file=f, all_threads=True)
     STATE.extras["fault_file"] = f
@@ -243,7 +247,13 @@ def health() -> dict:
 
 
 # launcher variables that give an engine's rank in its job (MPI, Slurm)
-LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+LAUNCHER_RANK_VARS = (
+    "OMPI_COMM_WORLD_RANK",
+    "PMIX_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+    "NOTEBOOK_DIST_LAUNCH_RANK",  # --launcher ssh: the engine's place in --hosts
+)
 
 
 def probe() -> dict:

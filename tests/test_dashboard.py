@@ -158,3 +158,32 @@ def test_build_handles_a_rank_that_never_reported(live):
     st = build(live.last_watch)
     assert not result.errors and [st.rows[r].state for r in (0, 1)] == ["done", "done"]
     assert st.rows[0].step is None and st.throughput is None
+
+
+def test_report_keeps_latest_values_and_a_bounded_chart_of_each_number():
+    """nd.report on the rank side: what the agent sends (unit level, no cluster)."""
+    import torch
+
+    from notebook_dist.runtime.agent import snapshot
+    from notebook_dist.runtime.report import MAX_POINTS, report
+    from notebook_dist.runtime.state import STATE
+
+    saved = (STATE.metrics, STATE.series, STATE.reports, STATE.cell_state)
+    STATE.reset_cell(0.0, "t")
+    try:
+        for step in range(1, 1001):
+            report(step=step, total=1000, loss=1.0 / step, lr=3, ok=True, name="x", t=torch.ones(1))
+        report(samples=8)
+        snap = snapshot(with_stack=False)
+        assert snap["reports"] == 1001
+        assert snap["metrics"]["step"] == 1001  # a report without step counts reports
+        assert snap["metrics"]["loss"] == 1.0 / 1000 and snap["metrics"]["name"] == "x"
+        assert snap["metrics"]["_samples_total"] == 8
+        assert set(snap["series"]) == {"loss", "lr", "ok"}  # numbers only; not step/total
+        loss = snap["series"]["loss"]
+        assert MAX_POINTS // 2 <= len(loss) <= MAX_POINTS
+        assert loss[0] == (1.0, 1.0) and loss[-1] == (1000.0, 0.001)  # the whole run's shape
+        assert all(type(x) is float and type(y) is float for x, y in loss)
+        assert snap["series"]["ok"][-1] == (1000.0, 1.0)
+    finally:
+        STATE.metrics, STATE.series, STATE.reports, STATE.cell_state = saved

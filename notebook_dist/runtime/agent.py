@@ -160,7 +160,9 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
         "rss": _rss_bytes(),
         "gpu": _gpu_memory(),
         "metrics": dict(STATE.metrics),
-        "series": {k: list(v) for k, v in STATE.series.items()},
+        "series": {
+            k: [(float(x), float(y)) for x, y in list(v)] for k, v in list(STATE.series.items())
+        },
         "reports": STATE.reports,
     }
 

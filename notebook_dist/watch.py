@@ -239,7 +239,11 @@ class CellWatch:
             self.interrupt()
             raise
         finally:
-            self.ar.wait_for_output(1 if not self.running() else 0)
+            # every rank's output arrives before the cell ends (its iopub 'idle'); a big
+            # output on a busy machine can take seconds, a dead rank never says idle
+            if not self.running():
+                dead = any(v.status == "dead" for v in self.views.values())
+                self.ar.wait_for_output(1 if dead else 15)
             self.finish()
         if self.released and not any(v.status == "dead" for v in self.views.values()):
             self.rebuild_after_release()

@@ -51,6 +51,24 @@ if WHY is not None:
     pytest.skip(WHY, allow_module_level=True)
 
 
+def _private_tmp(spare: Path) -> str:
+    """Shell commands (for a new mount namespace) that give it an empty /tmp of its own,
+    keeping visible what the engines need from this machine's /tmp: this checkout and
+    its Python (a clone in /tmp, as CI may make)."""
+    import notebook_dist
+
+    needed = {Path(notebook_dist.__file__).resolve().parents[1], Path(sys.prefix).resolve()}
+    needed |= {Path(sys.base_prefix).resolve()}
+    keep = sorted({p for p in needed if p.is_relative_to("/tmp")})
+    keep = [p for p in keep if not any(p != q and p.is_relative_to(q) for q in keep)]
+    spare.mkdir(parents=True, exist_ok=True)
+    steps = [f"mount --rbind /tmp {spare}", "mount -t tmpfs -o mode=1777 tmpfs /tmp"]
+    for p in keep:
+        inside = spare / p.relative_to("/tmp")
+        steps += [f"mkdir -p {p}", f"mount --bind {inside} {p}"]
+    return " && ".join(steps)
+
+
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=60)
 
@@ -109,7 +127,7 @@ def hosts(tmp_path_factory):
                         "--mount",
                         "sh",
                         "-c",
-                        f"hostname {name} && mount -t tmpfs -o mode=1777 tmpfs /tmp && "
+                        f"hostname {name} && {_private_tmp(etc / name)} && "
                         f"exec {SSHD} -D -e -f {cfg}",
                     ],
                     stdout=subprocess.DEVNULL,

@@ -18,6 +18,38 @@ from .bootstrap import user_namespace
 from .state import STATE
 
 
+def _drain_fd(stream, timeout: float = 5.0) -> None:
+    """Wait until what the cell wrote to the stream's file descriptor (os.write, C
+    libraries, subprocesses) has been read by ipykernel's pipe thread, so it is part of
+    this cell's output and not the next one's."""
+    import fcntl
+    import termios
+    import time
+
+    fid, thread = getattr(stream, "_fid", None), getattr(stream, "watch_fd_thread", None)
+    if fid is None or thread is None or not thread.is_alive():
+        return
+    deadline = time.monotonic() + timeout
+    buf = bytearray(4)
+    while time.monotonic() < deadline:
+        try:
+            fcntl.ioctl(fid, termios.FIONREAD, buf)
+        except OSError:
+            return
+        frame = sys._current_frames().get(thread.ident)
+        # empty pipe, and the thread back in os.read: everything read has been written
+        if int.from_bytes(buf, sys.byteorder) == 0 and _reading(frame):
+            return
+        time.sleep(0.001)
+
+
+def _reading(frame) -> bool:
+    if frame is None or frame.f_code.co_name != "_watch_pipe_fd":
+        return True  # not the thread we know: nothing to wait for
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    return "os.read(" in line
+
+
 def _register_source(filename: str, source: str) -> None:
     lines = source.splitlines(keepends=True)
     linecache.cache[filename] = (len(source), None, lines, filename)
@@ -85,8 +117,9 @@ def run_cell(
         result["has_value"] = False
     finally:
         STATE.cell_state = result["status"] if result["status"] == "error" else "done"
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            _drain_fd(stream)
+            stream.flush()
     result["collectives"] = TRACKER.count
     result["wait_s"] = TRACKER.wait_s
     from .agent import snapshot

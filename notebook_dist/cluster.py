@@ -227,7 +227,9 @@ class DistCluster:
         else:
             launcher_class = launch.RankEngineSetLauncher
             cfg.RankEngineSetLauncher.delay = 0.0
-        getattr(cfg, launcher_class.__name__).engine_cmd = launch.engine_cmd(self.config.python)
+        getattr(cfg, launcher_class.__name__).engine_cmd = launch.engine_cmd(
+            self.config.python, remote=self.launcher == "ssh"
+        )
         getattr(cfg, launcher_class.__name__).environment = env
         if self.launcher == "ssh":  # only the address the hosts reach this machine at
             controller_ip = launch.address_towards(next(iter(self.ssh_hosts)), self.config)

@@ -26,8 +26,17 @@ from .errors import PreflightError
 
 # No nanny process per engine: ranks are signalled by pid (one process fewer per rank
 # to start and to clean up).
-def engine_cmd(python: str = sys.executable) -> list[str]:
-    return [python, "-m", "notebook_dist.runtime.engine", "--IPEngine.enable_nanny=False"]
+def engine_cmd(python: str = sys.executable, remote: bool = False) -> list[str]:
+    cmd = [python, "-m", "notebook_dist.runtime.engine", "--IPEngine.enable_nanny=False"]
+    if remote:
+        # on another host no reaper of ours can end the engine: it ends itself when the
+        # controller's heartbeat is gone for 15 checks (12 s at our 300 ms period; 40 s
+        # by ipyparallel's default). A busy cell does not count: the pings queue up.
+        cmd.append(f"--IPEngine.max_heartbeat_misses={REMOTE_HEARTBEAT_MISSES}")
+    return cmd
+
+
+REMOTE_HEARTBEAT_MISSES = 15
 
 
 class RankEngineLauncher(LocalEngineLauncher):

@@ -375,3 +375,36 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
     assert not [p for p in pids if psutil.pid_exists(p)], "engines left running on the hosts"
     left = [where for where in remote_dirs if hosts["exists_on"](*where)]
     assert not left, f"folders left on the hosts: {left}"
+
+
+def test_ssh_ranks_end_when_their_controller_dies(hosts):
+    """A kernel that dies takes its controller with it (the reaper); the engines on the
+    hosts, which no local pid reaches, must then end by themselves (heartbeat lost)."""
+    import psutil
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    a, b = HOSTS.values()
+    opts = list(hosts["ssh_opts"])
+    config = DistConfig(loopback_only=False, ssh={"ssh_args": opts, "scp_args": opts})
+    cluster = DistCluster(
+        launcher="ssh", ssh_hosts={f"root@{a}": 1, f"root@{b}": 1}, config=config
+    ).start()
+    try:
+        pids = [r.pid for r in cluster.ranks]
+        assert [r.host for r in cluster.ranks] == ["node1", "node2"]
+        # a cell busier than the heartbeat allowance does not end them: pings queue up
+        r = cluster.run("import time\ntime.sleep(18)\nnd.rank")
+        assert not r.errors and dict(r.values) == {0: 0, 1: 1}
+        assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1} and not cluster.dead_ranks()
+        os.kill(cluster._cluster.controller.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() - t0 < 90:
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        assert not [p for p in pids if psutil.pid_exists(p)], "engines outlived their controller"
+        assert took < 30, took  # 15 missed checks of 0.8 s, and the engine's exit
+        print(f"engines on the hosts ended {took:.1f} s after their controller")
+    finally:
+        cluster.shutdown()

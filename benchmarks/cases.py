@@ -53,9 +53,19 @@ def ratio(a: list[float], b: list[float]) -> dict:
     return {
         "ratio": statistics.median(a) / statistics.median(b),
         "pair_median": statistics.median(pairs),
+        "pair_median_ci95": median_ci95(pairs),
         "pair_min": min(pairs),
         "pair_max": max(pairs),
     }
+
+
+def median_ci95(xs: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A bootstrap 95% interval of the median (fixed seed: the same data, the same answer)."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
 def _torchrun(args: list[str], timeout: float = 300, retry: bool = True) -> tuple[float, str]:

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         "training": lambda c: cases.training(c, 200 if quick else 1200, 2 if quick else 7),
         # many short back-to-back pairs: their median ratio cancels this machine's drifts
         "dashboard": lambda c: cases.dashboard_overhead(
-            c, 200 if quick else 1000, 2 if quick else 30
+            c, 200 if quick else 500, 2 if quick else 100
         ),
     }
     if only & set(on_cluster):

@@ -294,7 +294,7 @@ class DistCluster:
             if self.launcher == "slurm":
                 self._check_slurm_job(engine_set, len(client.ids), n)
             elif not launchers and engine_set.poll() is not None:
-                log_tail = _tail(engine_set.output_file)
+                log_tail = launch.tail(engine_set.output_file)
                 raise ClusterError(
                     f"{self._mpiexec} exited with code {engine_set.poll()} while starting the "
                     f"engines{self._import_hint(log_tail)}. Its log ({engine_set.output_file}) "
@@ -329,7 +329,7 @@ class DistCluster:
         self._slurm_checked = now
         state = launch.slurm_job_state(engine_set.job_id)
         if state in (None, "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            log_tail = _tail(engine_set.output_file) if engine_set.output_file else "(no log)"
+            log_tail = launch.tail(engine_set.output_file) if engine_set.output_file else "(no log)"
             raise ClusterError(
                 f"Slurm job {engine_set.job_id} {'ended' if state is None else state.lower()} "
                 f"with {registered} of {n} engines registered{self._import_hint(log_tail)}. "
@@ -960,11 +960,3 @@ def _remote_message(exc: BaseException) -> str:
     except Exception:
         pass
     return f"{type(exc).__name__}: {exc}"
-
-
-def _tail(path: str, num_lines: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-num_lines:])
-    except OSError:
-        return "(no log)"

@@ -289,14 +289,21 @@ def end_report(el) -> tuple[int | None, str, str, str]:
             text = el.get_output() or "(no log)"
         except Exception as exc:
             text = f"(could not fetch its log: {exc})"
-        tail = "".join(text.splitlines(keepends=True)[-20:])
-        return code, f" on {el.location}", el.remote_output_file, tail
+        return code, f" on {el.location}", el.remote_output_file, last_lines(text)
+    return el.exit_code, "", el.output_file, tail(el.output_file)
+
+
+def last_lines(text: str, num_lines: int = 20) -> str:
+    return "".join(text.splitlines(keepends=True)[-num_lines:])
+
+
+def tail(path: str, num_lines: int = 20) -> str:
+    """The end of a log file, for an error message."""
     try:
-        with open(el.output_file, errors="replace") as f:
-            tail = "".join(f.readlines()[-20:])
+        with open(path, errors="replace") as f:
+            return last_lines(f.read(), num_lines)
     except OSError:
-        tail = "(no log)"
-    return el.exit_code, "", el.output_file, tail
+        return "(no log)"
 
 
 def write_remote_file(el, path: str, text: str) -> None:

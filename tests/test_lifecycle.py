@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 from conftest import pids_alive
@@ -25,68 +26,61 @@ def _wait_gone(pids, within_s):
     return pids_alive(pids)
 
 
+@contextmanager
 def _kernel_with_cluster(tmp_path):
+    """A real kernel running a 2-rank cluster: (manager, client, the cluster's pids). On
+    the way out the kernel is stopped if it still runs and no pid is ever left behind."""
     from jupyter_client.manager import start_new_kernel
 
     env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"))
     km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path))
-    reply = kc.execute_interactive("%load_ext notebook_dist\n%dist_init -n 2", timeout=120)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    lines = []
-    kc.execute_interactive(
-        PIDS_CODE, timeout=30, output_hook=lambda m: lines.append(m["content"].get("text", ""))
-    )
-    pids = [int(p) for p in "".join(lines).split("PIDS", 1)[1].split()]
-    assert len(pids) == 4 and pids_alive(pids) == pids
-    return km, kc, pids
+    pids: list[int] = []
+    try:
+        reply = kc.execute_interactive("%load_ext notebook_dist\n%dist_init -n 2", timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        lines = []
+        kc.execute_interactive(
+            PIDS_CODE, timeout=30, output_hook=lambda m: lines.append(m["content"].get("text", ""))
+        )
+        pids = [int(p) for p in "".join(lines).split("PIDS", 1)[1].split()]
+        assert len(pids) == 4 and pids_alive(pids) == pids
+        yield km, kc, pids
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+        else:
+            km.cleanup_resources()
+        for pid in pids_alive(pids):  # never leave them, even when an assertion fails
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_kernel_sigkill_leaves_no_process_behind(tmp_path):
-    km, kc, pids = _kernel_with_cluster(tmp_path)
-    kernel_pid = km.provisioner.process.pid
-    try:
-        from notebook_dist.reaper import group_members
+    from notebook_dist.reaper import group_members
 
+    with _kernel_with_cluster(tmp_path) as (km, _, pids):
         controller = pids[2]
-        family = pids + [
-            p for p in group_members(controller) if p not in pids
-        ]  # its schedulers too
-        os.kill(kernel_pid, signal.SIGKILL)
+        family = pids + [p for p in group_members(controller) if p not in pids]  # schedulers
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
         left = _wait_gone(family, 10.0)
         assert left == [], f"still running 10 s after the kernel was SIGKILLed: {left}"
-    finally:
-        kc.stop_channels()
-        km.cleanup_resources()
-        for pid in pids_alive(pids):  # never leave them, even when the assertion fails
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_kernel_shutdown_stops_the_cluster(tmp_path):
-    km, kc, pids = _kernel_with_cluster(tmp_path)
-    try:
+    with _kernel_with_cluster(tmp_path) as (km, _, pids):
         km.shutdown_kernel(now=False)
         left = _wait_gone(pids, 10.0)
         assert left == [], f"still running after kernel shutdown: {left}"
-    finally:
-        kc.stop_channels()
-        for pid in pids_alive(pids):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_kernel_restart_stops_the_cluster_and_the_new_kernel_starts_clean(tmp_path):
-    km, kc, pids = _kernel_with_cluster(tmp_path)
-    try:
+    with _kernel_with_cluster(tmp_path) as (km, kc, pids):
         km.restart_kernel(now=False)
         left = _wait_gone(pids, 10.0)
         assert left == [], f"still running after the kernel restarted: {left}"
         kc.wait_for_ready(timeout=60)
         reply = kc.execute_interactive("%load_ext notebook_dist\n%dist_status", timeout=60)
         assert reply["content"]["status"] == "ok", reply["content"]
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-        for pid in pids_alive(pids):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_shutdown_and_dead_rank_report():

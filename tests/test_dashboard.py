@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from comm.base_comm import BaseComm
 
@@ -91,34 +93,74 @@ def _state(step, state="running", verdict=None):
     return st
 
 
+def _cells(html_text: str) -> dict[int, list[str]]:
+    """Each rank row's cells, by rank, from the dashboard's HTML."""
+    rows = re.findall(r"<tr class='nd-rank-row nd-rank-(\d+)'>(.*?)</tr>", html_text)
+    return {int(r): re.findall(r"<td[^>]*>(.*?)</td>", body) for r, body in rows}
+
+
 def test_widget_model_values_and_no_leaks(patched_comm):
     from ipywidgets.widgets.widget import _instances
 
+    from notebook_dist.ui.html import COLUMNS
     from notebook_dist.ui.widget import WidgetDashboard
 
     before = set(_instances)
     board = WidgetDashboard()
+    board._handle = type("H", (), {"update": lambda self, x: None})()  # no front end here
     board.update(_state(20))
-    row = board.rows[1]
-    assert row.progress.max == 50 and row.progress.value == 20
-    assert row.step.value == "<span class='nd-step'>20/50</span>"
-    assert "data-state='running'" in row.state.value and "3.2 s" not in row.state.value
-    assert row.metrics.value == "loss=0.5"
-    assert "<polyline" in row.chart.value
-    assert board.header.value.startswith(
-        "<b>2 ranks</b> · gloo · cpu · <span class='nd-wall'>3.2 s</span>"
+    value = board.view.value
+    assert value.startswith(
+        "<div class='nd-dashboard nd-live'><div class='nd-header'>"
+        "<b>2 ranks</b> · gloo · cpu · <span class='nd-wall'>3.2 s</span></div>"
     )
-    assert board.verdict.value == ""
-    updates = [m for m in patched_comm if m[1] == "comm_msg"]
-    board.update(_state(50, "done", verdict="Nothing is stuck."))
-    assert row.progress.value == 50 and "data-state='done'" in row.state.value
-    assert "Nothing is stuck." in board.verdict.value
-    sent = [m for m in patched_comm[len(updates) :] if m[1] == "comm_msg"]
-    assert any(m[2]["state"].get("value") == 50 for m in sent if m[2].get("method") == "update")
+    cells = _cells(value)
+    assert sorted(cells) == [0, 1] and len(cells[1]) == len(COLUMNS)
+    col = dict(zip(COLUMNS, cells[1]))
+    assert col["rank"] == "<b>rank 1</b>"
+    assert col["state"].startswith("<span class='nd-state' data-state='running'")
+    assert "straggler" not in col["state"]
+    assert "data-value='20' data-max='50'" in col["progress"] and "width:40.0%" in col["progress"]
+    assert col["step"] == "<span class='nd-step'>20/50</span>"
+    assert col["metrics"] == "<span class='nd-metrics'>loss=0.5</span>"
+    assert "<polyline" in col["chart"] and col["chart"].endswith(">loss</div>")
+    assert col["memory"] == "100.0 MiB" and col["last output"] == "hi"
+    assert "nd-verdict" not in value
+    # the exact value reached the front end in one message; an unchanged redraw sends none
+    sent = [m for m in patched_comm if m[1] == "comm_msg" and m[2].get("method") == "update"]
+    assert [m[2]["state"] for m in sent] == [{"value": value}]
+    board.update(_state(20))
+    assert len([m for m in patched_comm if m[1] == "comm_msg"]) == len(sent)
+    st = _state(50, "done", verdict="Nothing is stuck.")
+    st.rows[1].straggler = True
+    board.update(st)
+    col = dict(zip(COLUMNS, _cells(board.view.value)[1]))
+    assert "data-state='done'" in col["state"] and "⚠ straggler" in col["state"]
+    assert "width:100.0%" in col["progress"] and col["step"] == "<span class='nd-step'>50/50</span>"
+    assert "<b>Diagnosis:</b> Nothing is stuck.</div>" in board.view.value
     board.close(_state(50, "done"))
     assert set(_instances) == before  # every widget closed: no comm left open
     closes = [m for m in patched_comm if m[1] == "comm_close"]
-    assert len(closes) == len(board.widgets())
+    assert len(closes) == len(board.widgets()) == 3
+
+
+def test_the_record_a_cell_keeps_draws_the_same_table():
+    from notebook_dist.ui.html import render_html
+
+    st = _state(50, "done")
+    live, final = render_html(st, live=True), render_html(st)
+    assert final.startswith("<div class='nd-dashboard nd-final'>")
+    assert final.replace("nd-final", "nd-live", 1) == live
+
+
+def test_sparkline_draws_a_bounded_number_of_points():
+    from notebook_dist.ui.widget_colors import sparkline
+
+    points = [(float(i), 1.0 / (i + 1)) for i in range(1000)]
+    drawn = re.search(r"points='([^']*)'", sparkline(points, width=120)).group(1).split()
+    assert len(drawn) <= 60
+    assert drawn[0] == "1.0,1.0" and drawn[-1] == "119.0,23.0"  # the first and the latest
+    assert "<polyline" not in sparkline(points[:1])
 
 
 def test_text_rendering():

@@ -1,58 +1,104 @@
-"""A static HTML rendering of the final state: the record a finished cell keeps.
+"""The dashboard as HTML: one renderer for the live widget and for the record a finished
+cell keeps.
 
-When a cell ends, the live widget is replaced by this (and closed), so the notebook
-keeps a record that needs no kernel, no widget state and no open comm.
+While a cell runs, the widget shows ``render_html(state, live=True)``; when it ends the
+widget is replaced by a static :class:`DashboardRecord` of the final state (and closed),
+so the notebook keeps a record that needs no kernel, no widget state and no open comm,
+and looks the same as the live view did.
 """
 
 from __future__ import annotations
 
 import html
 
-from .state import DashboardState
+from .state import DashboardState, RankRow
 from .text import fmt_bytes, fmt_metric, progress_text
 from .widget_colors import STATE_COLORS, sparkline
 
+COLUMNS = (
+    "rank",
+    "state",
+    "progress",
+    "step",
+    "metrics",
+    "chart",
+    "collective",
+    "compute / wait",
+    "memory",
+    "last output",
+)
+_CELL = "padding:1px 6px;text-align:left;white-space:nowrap"
 
-def render_html(st: DashboardState) -> str:
+
+def progress_bar(step, total, width: int = 90) -> str:
+    """A plain-HTML progress bar (no widget: it must survive in the static record)."""
+    if not total or step is None:
+        return ""
+    share = max(0.0, min(1.0, float(step) / float(total)))
+    return (
+        f"<div class='nd-progress' data-value='{step:g}' data-max='{total:g}' "
+        f"style='width:{width}px;height:8px;background:#e0e0e0;border-radius:4px'>"
+        f"<div style='width:{share * 100:.1f}%;height:8px;background:#1e88e5;border-radius:4px'>"
+        "</div></div>"
+    )
+
+
+def _row(row: RankRow) -> str:
+    color = STATE_COLORS.get(row.state, "#757575")
+    flag = (
+        " <span class='nd-straggler' title='step time over 20% above the median'>⚠ straggler</span>"
+        if row.straggler
+        else ""
+    )
+    metrics = ", ".join(
+        f"{k}={fmt_metric(v)}"
+        for k, v in row.metrics.items()
+        if k not in ("step", "total", "samples")
+    )
+    mem = fmt_bytes(row.rss_bytes)
+    if row.gpu_allocated is not None:
+        mem += f", GPU {fmt_bytes(row.gpu_allocated)} / {fmt_bytes(row.gpu_reserved)}"
+    chart = sparkline(row.chart) + (
+        f"<div style='font-size:10px;color:#777'>{html.escape(row.chart_key)}</div>"
+        if row.chart_key
+        else ""
+    )
+    cells = (
+        f"<b>rank {row.rank}</b>",
+        f"<span class='nd-state' data-state='{row.state}' style='color:{color};font-weight:bold'>"
+        f"{row.state}</span> <span style='color:#777'>{row.elapsed_s:.1f} s</span>{flag}",
+        progress_bar(row.step, row.total),
+        f"<span class='nd-step'>{progress_text(row.step, row.total)}</span>",
+        f"<span class='nd-metrics'>{html.escape(metrics)}</span>",
+        chart,
+        html.escape(row.collective),
+        f"compute {row.compute_s:.1f} s / wait {row.wait_s:.1f} s",
+        mem,
+        html.escape(row.last_output[:60]),
+    )
+    tds = "".join(f"<td style='{_CELL}'>{c}</td>" for c in cells)
+    return f"<tr class='nd-rank-row nd-rank-{row.rank}'>{tds}</tr>"
+
+
+def render_html(st: DashboardState, live: bool = False) -> str:
     devices = ", ".join(sorted(set(st.devices)))
     head = (
-        f"<b>{st.world_size} ranks</b> · {st.backend} · {html.escape(devices)} · {st.wall_s:.1f} s"
+        f"<b>{st.world_size} ranks</b> · {st.backend} · {html.escape(devices)}"
+        f" · <span class='nd-wall'>{st.wall_s:.1f} s</span>"
     )
     if st.throughput:
         head += f" · {st.throughput:,.0f} samples/s"
-    rows = []
-    for r in st.ranks:
-        row = st.rows.get(r)
-        if row is None:
-            continue
-        color = STATE_COLORS.get(row.state, "#757575")
-        metrics = ", ".join(
-            f"{k}={fmt_metric(v)}"
-            for k, v in row.metrics.items()
-            if k not in ("step", "total", "samples")
-        )
-        mem = fmt_bytes(row.rss_bytes)
-        if row.gpu_allocated is not None:
-            mem += f", GPU {fmt_bytes(row.gpu_allocated)} / {fmt_bytes(row.gpu_reserved)}"
-        flag = " ⚠ straggler" if row.straggler else ""
-        rows.append(
-            f"<tr class='nd-rank-row nd-rank-{r}'><td><b>rank {r}</b></td>"
-            f"<td><span class='nd-state' data-state='{row.state}' style='color:{color};font-weight:bold'>{row.state}</span>{flag}</td>"
-            f"<td class='nd-step'>{progress_text(row.step, row.total)}</td>"
-            f"<td>{html.escape(metrics)}</td><td>{sparkline(row.chart)}</td>"
-            f"<td>compute {row.compute_s:.1f} s / wait {row.wait_s:.1f} s</td><td>{mem}</td>"
-            f"<td>{html.escape(row.last_output[:60])}</td></tr>"
-        )
+    rows = "".join(_row(st.rows[r]) for r in st.ranks if r in st.rows)
     verdict = (
         f"<div class='nd-verdict' style='color:#e65100'><b>Diagnosis:</b> {html.escape(st.verdict)}</div>"
         if st.verdict
         else ""
     )
+    ths = "".join(f"<th style='{_CELL}'>{c}</th>" for c in COLUMNS)
     return (
-        f"<div class='nd-dashboard nd-final'><div>{head}</div><table style='font-size:12px'>"
-        "<thead><tr><th>rank</th><th>state</th><th>step</th><th>metrics</th><th>chart</th>"
-        "<th>compute/wait</th><th>memory</th><th>last output</th></tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table>{verdict}</div>"
+        f"<div class='nd-dashboard {'nd-live' if live else 'nd-final'}'>"
+        f"<div class='nd-header'>{head}</div><table style='font-size:12px;border-collapse:collapse'>"
+        f"<thead><tr>{ths}</tr></thead><tbody>{rows}</tbody></table>{verdict}</div>"
     )
 
 

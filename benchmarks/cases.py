@@ -54,17 +54,27 @@ def ratio(a: list[float], b: list[float]) -> dict:
         "ratio": statistics.median(a) / statistics.median(b),
         "pair_median": statistics.median(pairs),
         "pair_median_ci95": median_ci95(pairs),
+        "pair_geomean": geomean(pairs),
+        "pair_geomean_ci95": median_ci95(pairs, stat=geomean),
         "pair_min": min(pairs),
         "pair_max": max(pairs),
     }
 
 
-def median_ci95(xs: list[float], draws: int = 2000) -> tuple[float, float]:
-    """A bootstrap 95% interval of the median (fixed seed: the same data, the same answer)."""
+def geomean(xs: list[float]) -> float:
+    """The geometric mean: the efficient estimate of a multiplicative effect from ratios."""
+    import math
+
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def median_ci95(xs: list[float], draws: int = 2000, stat=statistics.median) -> tuple[float, float]:
+    """A bootstrap 95% interval of ``stat`` (the median unless told; fixed seed: the same
+    data, the same answer)."""
     import random
 
     rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    meds = sorted(stat(rng.choices(xs, k=len(xs))) for _ in range(draws))
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
@@ -325,31 +335,37 @@ _s.median(_us)
 
 
 def dashboard_overhead(cluster, steps: int, reps: int) -> dict:
-    """DDP steps/s with the dashboard (nd.report every step, a live widget fed at 4 Hz) and
-    without. Wall-clock steps/s on this 2-core machine swing by +-15% from run to run, so the
-    steadier figure is steps per CPU-second: every rank's process CPU plus the kernel's."""
+    """DDP steps/s with the dashboard (nd.report every step, a live widget fed at 4 Hz and
+    closed into its record) and without (no report, no widget), in ``reps`` back-to-back
+    pairs of cells, the order flipped every pair.
+
+    Single pairs swing by +-15% on this 2-core machine (Gloo's wake-ups on a busy box; the
+    same under torchrun), so the figure needs hundreds of pairs: the geometric mean of the
+    pair ratios, with a bootstrap interval. Cells of ~1 s charge the dashboard's per-cell
+    costs (building the widget, closing it into its record) to few steps; shorter ones
+    give more pairs a minute but weigh those costs more (200-step cells: 0.981x).
+    """
     cluster.run(TRAIN_SETUP).raise_for_errors()
     on, off = [], []
     cpu_on, cpu_off = [], []  # steps per CPU-second, ranks and kernel together
     quiet = CPU_TIMED_LOOP.replace(
         "    nd.report(step=step, total=STEPS, loss=loss.item(), samples=64)\n", "    loss.item()\n"
     )
-    import psutil
-
-    kernel = psutil.Process()
-    cpu: dict[int, list[float]] = {0: [], 1: []}  # the kernel's CPU seconds per cell
+    codes = (CPU_TIMED_LOOP.replace("STEPS", str(steps)), quiet.replace("STEPS", str(steps)))
+    kernel: dict[int, list[float]] = {0: [], 1: []}  # the kernel's CPU seconds per cell
     for i in range(reps):
         for which in (0, 1) if i % 2 == 0 else (1, 0):
-            c0 = sum(kernel.cpu_times()[:2])
+            c0 = time.process_time()  # every thread of this process, to the nanosecond
             if which == 0:
-                code = CPU_TIMED_LOOP.replace("STEPS", str(steps))
-                r = cluster.run(code, on_update=_widget_feed())
+                feed = _widget_feed()
+                r = cluster.run(codes[0], on_update=feed)
+                feed.close(cluster.last_watch)
             else:
-                r = cluster.run(quiet.replace("STEPS", str(steps)))
+                r = cluster.run(codes[1])
             r.raise_for_errors()
-            cpu[which].append(sum(kernel.cpu_times()[:2]) - c0)
+            kernel[which].append(time.process_time() - c0)
             wall = min(v[0] for v in r.values.values())
-            per_cpu = steps / (sum(v[1] for v in r.values.values()) + cpu[which][-1])
+            per_cpu = steps / (sum(v[1] for v in r.values.values()) + kernel[which][-1])
             (on if which == 0 else off).append(wall)
             (cpu_on if which == 0 else cpu_off).append(per_cpu)
     # the steadier, direct figure: what one nd.report costs inside a rank, against a step
@@ -357,7 +373,10 @@ def dashboard_overhead(cluster, steps: int, reps: int) -> dict:
     r.raise_for_errors()
     report_us = statistics.median(r.values.values())
     step_us = 1e6 / statistics.median(off)
+    cell_s = steps / statistics.median(off)
     return {
+        "steps_per_cell": steps,
+        "pairs": reps,
         "report_us_per_call": report_us,
         "step_us_off": step_us,
         "report_share_of_step": report_us / step_us,
@@ -367,8 +386,10 @@ def dashboard_overhead(cluster, steps: int, reps: int) -> dict:
         "steps_per_cpu_s_on": summarize(cpu_on),
         "steps_per_cpu_s_off": summarize(cpu_off),
         "on_vs_off_per_cpu": ratio(cpu_on, cpu_off),
-        "kernel_cpu_s_on": summarize(cpu[0]),
-        "kernel_cpu_s_off": summarize(cpu[1]),
+        "kernel_cpu_ms_per_cell_on": 1e3 * statistics.median(kernel[0]),
+        "kernel_cpu_ms_per_cell_off": 1e3 * statistics.median(kernel[1]),
+        "kernel_extra_cpu_share": (statistics.median(kernel[0]) - statistics.median(kernel[1]))
+        / cell_s,
     }
 
 

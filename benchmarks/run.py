@@ -48,8 +48,8 @@ TARGETS = [
         0.97,
     ),
     (
-        "dashboard: DDP steps per CPU-second on / off",
-        ("dashboard", "on_vs_off_per_cpu", "pair_median"),
+        "dashboard: DDP steps/s on / off (geometric mean of pairs)",
+        ("dashboard", "on_vs_off", "pair_geomean"),
         ">=",
         0.98,
     ),
@@ -83,7 +83,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--out", default=str(Path(__file__).resolve().parent / "results" / "latest.json")
     )
-    ap.add_argument("--only", default=None, help="comma-separated: " + ",".join(CASE_NAMES))
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated: "
+        + ",".join(CASE_NAMES)
+        + " (refreshes them in --out, keeps the rest)",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     quick = args.quick
@@ -110,10 +116,8 @@ def main(argv=None) -> int:
         "transfer": lambda c: cases.transfer(c, (1, 16) if quick else (1, 16, 256), reps=3),
         "tracking": lambda c: cases.tracking_overhead(c, 5 if quick else 9),
         "training": lambda c: cases.training(c, 200 if quick else 1200, 2 if quick else 7),
-        # many short back-to-back pairs: their median ratio cancels this machine's drifts
-        "dashboard": lambda c: cases.dashboard_overhead(
-            c, 200 if quick else 500, 2 if quick else 100
-        ),
+        # many short back-to-back pairs: single pairs swing +-15% here
+        "dashboard": lambda c: cases.dashboard_overhead(c, 500, 4 if quick else 400),
     }
     if only & set(on_cluster):
         shell = TerminalInteractiveShell.instance()
@@ -132,17 +136,34 @@ def main(argv=None) -> int:
         results["growth"] = cases.growth(20 if quick else 50)
     results["total_s"] = time.perf_counter() - t_all
 
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dates = {name: results["date"] for name in CASE_NAMES if name in results}
+    if args.only and out.exists():  # refresh those cases; keep the others, with their dates
+        earlier = json.loads(out.read_text())
+        dates = {
+            **{
+                n: earlier.get("dates", {}).get(n, earlier.get("date"))
+                for n in CASE_NAMES
+                if n in earlier
+            },
+            **dates,
+        }
+        results = {**earlier, **results}
+    results["dates"] = dates
+    out.write_text(json.dumps(results, indent=2))
     print()
-    print(f"{'benchmark':55s} {'ratio':>8s}  {'target':>8s}  met")
+    print(f"{'benchmark':55s} {'ratio':>26s}  {'target':>8s}  met")
     for label, path, op, bound in TARGETS:
         value = _get(results, path)
         text = "n/a" if value is None else f"{value:.3f}"
+        interval = _get(results, path[:-1] + (path[-1] + "_ci95",))
+        if interval:
+            text += f" (95% {interval[0]:.3f}-{interval[1]:.3f})"
         ok = value is not None and (value <= bound if op == "<=" else value >= bound)
         met = "-" if value is None else ("yes" if ok else "NO")
         target = f"{op} {bound:g}x"
-        print(f"{label:55s} {text:>8s}  {target:>8s}  {met}")
+        print(f"{label:55s} {text:>26s}  {target:>8s}  {met}")
     for key, t in results.get("transfer", {}).items():
         extra = (
             f", {t['vs_ipyparallel_pull']:.1f}x ipyparallel's pull"

@@ -6,11 +6,13 @@ snapshot of every rank, notes which ranks finished (and how), and decides:
 - no progress on any rank for ``hang_after`` seconds: show the doctor's diagnosis, live,
   without ending the cell;
 - a rank raised or died while others wait in a collective: release the waiting ranks
-  (their collectives raise at once) so the cell ends in seconds.
+  (their collectives raise at once) so the cell ends in seconds. A rank whose collective
+  then fails because a released peer closed its connections counts as released too.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,12 @@ from typing import Any, TextIO
 from .doctor import Diagnosis, diagnose
 from .execute import OutputStreamer, PreparedCell
 from .values import unpack
+
+# how a collective fails when a peer's connections close under it (torch-internal ones,
+# such as DDP's gradient all_reduce, never pass the tracker)
+_TRANSPORT_ERROR = re.compile(
+    r"gloo|nccl|connection (closed|reset) by peer|broken pipe", re.IGNORECASE
+)
 
 
 @dataclass
@@ -65,6 +73,7 @@ class CellWatch:
         self.diagnosis: Diagnosis | None = None
         self.shown_verdict: str | None = None
         self.released: set[int] = set()
+        self.release_time: float | None = None  # when the first release was asked for
         self.error_since: float | None = None
         self.interrupted_for_death = False
         self.abandoned = False  # stop waiting: a rank died and the others do not stop
@@ -93,6 +102,9 @@ class CellWatch:
                         v.status = "error" if v.result["status"] == "error" else "done"
                         # the rank's final record, even if it finished before its agent reported
                         v.snap = dict(v.result.get("final") or {}, collective=None)
+                        if v.status == "error" and self._failed_by_release(v):
+                            self.released.add(r)
+                            v.released = True
                     except Exception as exc:  # engine-level failure
                         v.status = "error"
                         v.result = {
@@ -212,7 +224,21 @@ class CellWatch:
             if waited >= self.cluster.config.release_after_error_s + 5.0:
                 self.abandoned = True
 
+    def _failed_by_release(self, v: RankView) -> bool:
+        """A rank whose collective failed after others were released: their connections
+        closed under it, so its error is a consequence of the release, not a second cause."""
+        if self.release_time is None or v.released:
+            return False
+        error = v.result.get("error") or {}
+        ended = (v.result.get("final") or {}).get("time", 0.0)
+        from_collective = error.get("collective") or _TRANSPORT_ERROR.search(
+            error.get("evalue", "")
+        )
+        return bool(from_collective) and ended >= self.release_time
+
     def release(self, ranks: list[int]) -> None:
+        if self.release_time is None:
+            self.release_time = time.time()
         for r in ranks:
             self.released.add(r)
             self.views[r].released = True

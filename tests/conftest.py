@@ -6,9 +6,12 @@ asks the OS), and finalizers that stop every process a fixture started, by pid.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 
 # before IPython or ipyparallel are imported anywhere
 os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="nd-ipython-")
@@ -17,6 +20,24 @@ os.environ["JUPYTER_PLATFORM_DIRS"] = "1"
 
 import psutil  # noqa: E402
 import pytest  # noqa: E402
+
+
+@contextlib.contextmanager
+def ctrl_c_after(seconds: float):
+    """The user's Ctrl-C, ``seconds`` into the block: SIGINT to this process.
+
+    A shell starts a background job (``bash .ci/run &``) with SIGINT ignored, and Python
+    then keeps it ignored; Ctrl-C in a notebook always arrives, so Python's own handler is
+    put in place for the block.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(seconds, lambda: signal.raise_signal(signal.SIGINT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
 
 
 def pids_alive(pids) -> list[int]:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import ctrl_c_after
 
 from notebook_dist import DistCluster
 from notebook_dist.errors import ClusterError
@@ -187,23 +188,34 @@ def test_exception_on_one_rank_ends_the_cell_promptly(cluster):
     assert_recovered(cluster)
 
 
-def test_interrupt_releases_ranks_blocked_in_gloo_and_keeps_state(cluster):
-    import signal
-    import threading
+def test_a_rank_whose_collective_fails_because_a_peer_was_released_counts_as_released():
+    """Rank 2 raises; rank 1 waits in all_reduce and is released; rank 0 reaches the same
+    all_reduce only later, when rank 1's connections are already closed, so its collective
+    fails by itself. That failure is a consequence of the release, not a second cause."""
+    with DistCluster(n=3) as c:
+        out = io.StringIO()
+        r = c.run(
+            "import time\nx = 7\nif nd.rank == 2:\n    raise ValueError('rank 2 broke')\n"
+            "if nd.rank == 0:\n    time.sleep(1.5)\ndist.all_reduce(torch.ones(1))\n",
+            out=out,
+        )
+        assert list(r.errors) == [2] and r.errors[2].evalue == "rank 2 broke"
+        assert r.released == [0, 1]
+        assert "released ranks 0, 1 from collectives that could not complete" in out.getvalue()
+        assert dict(c.run("x").values) == {0: 7, 1: 7, 2: 7}
+        r = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
+        r.raise_for_errors()
+        assert dict(r.values) == {0: 3.0, 1: 3.0, 2: 3.0}
 
+
+def test_interrupt_releases_ranks_blocked_in_gloo_and_keeps_state(cluster):
     cluster.run("keep = nd.rank * 10").raise_for_errors()
-    timer = threading.Timer(2.0, lambda: signal.raise_signal(signal.SIGINT))
-    t_sent = {}
-    timer.start()
     out = io.StringIO()
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt), ctrl_c_after(2.0):
         cluster.run(
             "if nd.rank == 0:\n    dist.recv(torch.empty(1), src=1)\nelse:\n    dist.recv(torch.empty(1), src=0)\n",
             out=out,
         )
-    t_sent["back"] = time.monotonic() - t0 - 2.0
-    assert t_sent["back"] < 5.0, t_sent
     assert "released ranks 0, 1" in out.getvalue()
     assert dict(cluster.run("keep").values) == {0: 0, 1: 10}
     assert_recovered(cluster)
@@ -214,10 +226,10 @@ def test_rank_that_died_is_reported_with_its_signal_and_next_cell_says_what_to_d
         cluster.run("nd.faults.die(rank=1)", filename="Cell In[8]", header="%%distributed")
     assert str(info.value).startswith("rank 1 was killed by SIGKILL.")
     assert "Run %dist_restart" in str(info.value)
-    t0 = time.monotonic()
+    sent = len(cluster._client.history)
     with pytest.raises(ClusterError) as info:
         cluster.run("1")
-    assert time.monotonic() - t0 < 1
+    assert len(cluster._client.history) == sent  # refused at once: nothing reached a rank
     assert (
         str(info.value)
         == "rank 1 was killed by SIGKILL. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."

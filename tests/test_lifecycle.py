@@ -116,10 +116,10 @@ def test_rank_dying_during_a_cell_ends_the_cell():
     from notebook_dist.errors import ClusterError
 
     with DistCluster(n=2) as cluster:
-        t0 = time.monotonic()
         with pytest.raises(ClusterError) as info:
             cluster.run("import os, time\nif nd.rank == 1:\n    os._exit(7)\ntime.sleep(60)")
-        assert time.monotonic() - t0 < 10
+        # rank 0 was stopped, not left to sleep out its minute
+        assert cluster.last_watch.views[0].result["error"]["ename"] == "KeyboardInterrupt"
         assert (
             str(info.value)
             == "rank 1 exited with code 7. Run %dist_restart (add --replay to re-run your setup cells)."

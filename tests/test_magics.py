@@ -252,14 +252,11 @@ def test_preflight_errors_before_anything_starts(live, run):
 
 
 def test_interrupt_of_a_python_busy_cell_keeps_state(live, run):
-    import signal
-    import threading
+    from conftest import ctrl_c_after
 
     run("%%distributed\nkept = nd.rank + 100")
-    timer = threading.Timer(3.0, lambda: signal.raise_signal(signal.SIGINT))
-    timer.start()
-    out = run("%%distributed\nimport time\nfor _ in range(600):\n    time.sleep(0.1)")
-    timer.cancel()
+    with ctrl_c_after(3.0):
+        out = run("%%distributed\nimport time\nfor _ in range(600):\n    time.sleep(0.1)")
     assert isinstance(out.error, KeyboardInterrupt)
     out = run("%%distributed\nkept")
     assert dict(out.result.result) == {0: 100, 1: 101}

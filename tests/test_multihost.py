@@ -14,13 +14,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import DDP_IN_SYNC
+from conftest import DDP_IN_SYNC, ctrl_c_after
 
 pytestmark = pytest.mark.slow
 
@@ -360,10 +359,10 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
 
     # a rank on another host is interrupted through the controller
     run("%%distributed\nkept = nd.rank + 100")
-    timer = threading.Timer(3.0, lambda: signal.raise_signal(signal.SIGINT))
-    timer.start()
-    out = run("%%distributed --ranks 2\nimport time\nfor _ in range(600):\n    time.sleep(0.05)")
-    timer.cancel()
+    with ctrl_c_after(3.0):
+        out = run(
+            "%%distributed --ranks 2\nimport time\nfor _ in range(600):\n    time.sleep(0.05)"
+        )
     assert isinstance(out.error, KeyboardInterrupt), out.output
     out = run("%%distributed\nkept")
     assert dict(out.result.result) == {0: 100, 1: 101, 2: 102}

@@ -113,6 +113,9 @@ def run_cell(
         STATE.last_error = (exc, exc.__traceback__)
         result["status"] = "error"
         result["error"] = _error(exc, filename)
+        failed = TRACKER.history[-1] if TRACKER.history else None
+        if failed is not None and failed.get("failed"):
+            result["error"]["collective"] = f"{failed['op']} #{failed['seq']}"
         result.pop("value", None)
         result["has_value"] = False
     finally:

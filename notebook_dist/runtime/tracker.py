@@ -134,6 +134,9 @@ def _wrap(op: str, fn):
         t.depth = 1
         try:
             return fn(*args, **kwargs)
+        except BaseException:
+            rec["failed"] = True  # the kernel tells a release's consequence from a cause
+            raise
         finally:
             t.depth = 0
             t.current = None

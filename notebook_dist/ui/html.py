@@ -96,7 +96,8 @@ def render_html(st: DashboardState, live: bool = False) -> str:
     )
     ths = "".join(f"<th style='{_CELL}'>{c}</th>" for c in COLUMNS)
     return (
-        f"<div class='nd-dashboard {'nd-live' if live else 'nd-final'}'>"
+        # the line height is set here: a widget's HTML would inherit a 28 px one
+        f"<div class='nd-dashboard {'nd-live' if live else 'nd-final'}' style='line-height:1.3'>"
         f"<div class='nd-header'>{head}</div><table style='font-size:12px;border-collapse:collapse'>"
         f"<thead><tr>{ths}</tr></thead><tbody>{rows}</tbody></table>{verdict}</div>"
     )

@@ -393,6 +393,7 @@ class DistMagics(Magics):
 
         board = make_dashboard(cluster.config.dashboard if dashboard else "off")
         feed = DashboardFeed(board) if board is not None else None
+        before = cluster.last_watch
         try:
             result = cluster.run(
                 cell,
@@ -405,7 +406,9 @@ class DistMagics(Magics):
                 on_hang=on_hang,
             )
         finally:
-            if feed is not None and cluster.last_watch is not None:
+            # only this cell's watch: a cell refused before it ran (a syntax error, a dead
+            # rank) has none, and must not show the previous cell's dashboard
+            if feed is not None and cluster.last_watch not in (None, before):
                 feed.close(cluster.last_watch)
         from notebook_dist.export import ExportCell
 

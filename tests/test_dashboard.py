@@ -195,6 +195,14 @@ def test_terminal_gets_text_printed_once_at_the_end(live, run):
     assert "compute/wait" not in out.stdout
 
 
+def test_a_cell_refused_before_it_runs_shows_no_dashboard(live, run):
+    out = run("%%distributed\n" + REPORT_CELL)
+    assert out.stdout.count("compute/wait") == 1
+    out = run("%%distributed\nfor x in:\n    pass")
+    assert type(out.error).__name__ == "CellSyntaxError", out.output
+    assert "compute/wait" not in out.output  # not the previous cell's table again
+
+
 def test_build_handles_a_rank_that_never_reported(live):
     result = live.run("1")
     st = build(live.last_watch)

@@ -53,9 +53,9 @@ def ratio(a: list[float], b: list[float]) -> dict:
     return {
         "ratio": statistics.median(a) / statistics.median(b),
         "pair_median": statistics.median(pairs),
-        "pair_median_ci95": median_ci95(pairs),
+        "pair_median_ci95": bootstrap_ci95(pairs),
         "pair_geomean": geomean(pairs),
-        "pair_geomean_ci95": median_ci95(pairs, stat=geomean),
+        "pair_geomean_ci95": bootstrap_ci95(pairs, stat=geomean),
         "pair_min": min(pairs),
         "pair_max": max(pairs),
     }
@@ -68,7 +68,9 @@ def geomean(xs: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
-def median_ci95(xs: list[float], draws: int = 2000, stat=statistics.median) -> tuple[float, float]:
+def bootstrap_ci95(
+    xs: list[float], draws: int = 2000, stat=statistics.median
+) -> tuple[float, float]:
     """A bootstrap 95% interval of ``stat`` (the median unless told; fixed seed: the same
     data, the same answer)."""
     import random

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         "transfer": lambda c: cases.transfer(c, (1, 16) if quick else (1, 16, 256), reps=3),
         "tracking": lambda c: cases.tracking_overhead(c, 5 if quick else 9),
         "training": lambda c: cases.training(c, 200 if quick else 1200, 2 if quick else 7),
-        # many short back-to-back pairs: single pairs swing +-15% here
+        # hundreds of back-to-back pairs of ~1 s cells: single pairs swing +-15% here
         "dashboard": lambda c: cases.dashboard_overhead(c, 500, 4 if quick else 400),
     }
     if only & set(on_cluster):
@@ -138,18 +138,12 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    dates = {name: results["date"] for name in CASE_NAMES if name in results}
+    dates = {}
     if args.only and out.exists():  # refresh those cases; keep the others, with their dates
         earlier = json.loads(out.read_text())
-        dates = {
-            **{
-                n: earlier.get("dates", {}).get(n, earlier.get("date"))
-                for n in CASE_NAMES
-                if n in earlier
-            },
-            **dates,
-        }
+        dates = earlier.get("dates") or {n: earlier["date"] for n in CASE_NAMES if n in earlier}
         results = {**earlier, **results}
+    dates.update({n: results["date"] for n in CASE_NAMES if n in only and n in results})
     results["dates"] = dates
     out.write_text(json.dumps(results, indent=2))
     print()

@@ -530,13 +530,8 @@ class DistCluster:
         from .runtime.tracker import COLLECTIVES
 
         path = self._control_file(rank).replace("release-rank-", "fault-rank-")
-        el = self._ssh_launcher(rank)
         try:
-            if el is not None:  # on its own host, read there
-                text = launch.read_remote_file(el, path)
-            else:
-                with open(path, errors="replace") as f:
-                    text = f.read()
+            text = launch.read_on_host(self._ssh_launcher(rank), path)  # on the rank's host
         except Exception:
             return {}
         section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
@@ -690,23 +685,17 @@ class DistCluster:
     def release_collectives(self, ranks: list[int], token: str) -> None:
         """Ask the ranks' agents to close their Gloo connections (see runtime.recover),
         for the cell ``token`` only."""
-        remote = []
-        for r in ranks:
-            path = self._control_file(r)
-            el = self._ssh_launcher(r)
-            if el is not None:
-                remote.append((el, path))
-                continue
-            with open(path, "w") as f:
-                f.write(token)
-            now = time.time_ns()
-            os.utime(path, ns=(now, now))
+        writes = [(self._ssh_launcher(r), self._control_file(r)) for r in ranks]
+        for el, path in writes:
+            if el is None:
+                launch.write_on_host(None, path, token)
+        remote = [(el, path) for el, path in writes if el is not None]
         if remote:  # ranks on other hosts: written there over ssh, the hosts side by side
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(len(remote)) as pool:
                 for el, path in remote:
-                    pool.submit(launch.write_remote_file, el, path, token)
+                    pool.submit(launch.write_on_host, el, path, token)
 
     def _ssh_launcher(self, rank: int):
         """The ssh launcher of a rank --launcher ssh started on another host, else None:

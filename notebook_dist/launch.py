@@ -8,9 +8,11 @@ dead rank is reported with its exit code or signal at once.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
+import time
 
 from ipyparallel.cluster.launcher import (
     LocalEngineLauncher,
@@ -218,8 +220,6 @@ def ssh_settings(hosts: dict[str, int], config, profile_dir: str) -> dict:
     """RankSSHEngineSetLauncher settings: the hosts, the engines' Python, and a profile
     folder of their own on each host (in /tmp: on a shared filesystem it must not be
     the notebook's own, which scp would overwrite with itself); ``config.ssh`` last."""
-    import os
-
     settings = {
         "engines": dict(hosts),
         "remote_python": config.python,
@@ -306,16 +306,27 @@ def tail(path: str, num_lines: int = 20) -> str:
         return "(no log)"
 
 
-def write_remote_file(el, path: str, text: str) -> None:
-    """Write ``text`` to ``path`` on the launcher's host (fresh mtime), through ssh."""
+def write_on_host(el, path: str, text: str) -> None:
+    """Write ``text`` to ``path`` with a fresh mtime (the agents watch it): on this machine
+    when ``el`` is None, else on the ssh launcher's host, through ssh."""
+    if el is None:
+        with open(path, "w") as f:
+            f.write(text)
+        now = time.time_ns()
+        os.utime(path, ns=(now, now))
+        return
     el.ssh_sender.check_output_python_code(
         f"import os, time\np = {path!r}\nwith open(p, 'w') as f:\n    f.write({text!r})\n"
         "t = time.time_ns()\nos.utime(p, ns=(t, t))\n"
     )
 
 
-def read_remote_file(el, path: str) -> str:
-    """The text of ``path`` on the launcher's host, through ssh."""
+def read_on_host(el, path: str) -> str:
+    """The text of ``path``: on this machine when ``el`` is None, else on the ssh
+    launcher's host, through ssh."""
+    if el is None:
+        with open(path, errors="replace") as f:
+            return f.read()
     return el.ssh_sender.check_output_python_code(
         f"import sys\nwith open({path!r}, errors='replace') as f:\n    sys.stdout.write(f.read())\n"
     )
@@ -353,7 +364,6 @@ def slurm_job_state(job_id: str) -> str | None:
 
 def mpi_settings(mpiexec: str) -> tuple[list[str], dict[str, str]]:
     """Arguments and environment ``mpiexec`` needs to start engines on this machine."""
-    import os
     import subprocess
 
     try:

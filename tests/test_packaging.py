@@ -1,33 +1,113 @@
-"""`pip install .` and `pip install -e .` both give a working `%load_ext notebook_dist`.
+"""The package as users get it: the built wheel and sdist hold every module, and the wheel,
+installed into a fresh venv, runs cells in a real kernel started in an empty folder.
 
 Each install goes into a fresh venv that sees this environment's dependencies through a
-.pth file, so the test checks our packaging (magics/ mapped to notebook_dist.magics)
-without downloading anything.
+.pth file, so the tests check our packaging without downloading anything. The venv's own
+site-packages comes first, and nothing puts the checkout on the path: what runs is the
+installed copy (the tests assert it, on the kernel and on the ranks).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
 import site
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
+from conftest import pids_alive
 
 REPO = Path(__file__).resolve().parents[1]
-
-CHECK = """
-import notebook_dist, notebook_dist.magics
-from IPython.testing.globalipapp import start_ipython
-ip = start_ipython()
-ip.run_line_magic("load_ext", "notebook_dist")
-assert ip.find_cell_magic("distributed") and ip.find_line_magic("dist_init")
-print("MAGICS_FROM", notebook_dist.magics.__file__)
-"""
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
-def _venv(tmp_path: Path) -> Path:
-    venv = tmp_path / "venv"
+def checkout_modules() -> set[str]:
+    """Every module of the checkout, named as it installs (magics/ -> notebook_dist/magics/)."""
+    found = {str(p.relative_to(REPO)) for p in (REPO / "notebook_dist").rglob("*.py") if _kept(p)}
+    found |= {
+        "notebook_dist/magics/" + str(p.relative_to(REPO / "magics"))
+        for p in (REPO / "magics").rglob("*.py")
+        if _kept(p)
+    }
+    return found
+
+
+def _kept(path: Path) -> bool:
+    return "__pycache__" not in path.parts
+
+
+def wheel_modules(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as z:
+        return {n for n in z.namelist() if n.endswith(".py")}
+
+
+def _pip(*args: str, cwd: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True, cwd=cwd)
+
+
+def clean_copy(dest: Path) -> Path:
+    """The checkout's files as a fresh clone has them: a build/ folder left by an earlier
+    build would otherwise slip stale modules into the wheel and hide a missing package."""
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """The wheel (as `pip wheel .` builds it) and the sdist (as `python -m build` would),
+    from a clean copy of the checkout."""
+    src = clean_copy(tmp_path_factory.mktemp("src"))
+    out = tmp_path_factory.mktemp("dist")
+    _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src), cwd=out)
+    code = f"from setuptools import build_meta as b; print(b.build_sdist({str(out)!r}))"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=src, capture_output=True)
+    return {"wheel": next(out.glob("*.whl")), "sdist": next(out.glob("*.tar.gz"))}
+
+
+def test_the_wheel_holds_every_module_of_the_checkout(built):
+    assert wheel_modules(built["wheel"]) == checkout_modules()
+
+
+def test_the_sdist_holds_every_module_and_builds_the_same_wheel(built, tmp_path):
+    with tarfile.open(built["sdist"]) as tar:
+        tar.extractall(tmp_path, filter="data")
+    (src,) = tmp_path.iterdir()
+    in_sdist = {
+        str(p.relative_to(src)).replace("magics/", "notebook_dist/magics/", 1)
+        if p.relative_to(src).parts[0] == "magics"
+        else str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if p.relative_to(src).parts[0] in ("notebook_dist", "magics")
+    }
+    assert in_sdist == checkout_modules()
+    # what pip does with an sdist: build the wheel from it (setup.py must be in it)
+    out = tmp_path / "from-sdist"
+    _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src), cwd=tmp_path)
+    assert wheel_modules(next(out.glob("*.whl"))) == checkout_modules()
+
+
+def _venv(where: Path) -> Path:
+    venv = where / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
     purelib = subprocess.run(
@@ -36,39 +116,151 @@ def _venv(tmp_path: Path) -> Path:
         text=True,
         check=True,
     ).stdout.strip()
-    # the new venv's own site-packages comes first; ours (deps only) after it
+    # the new venv's own site-packages comes first; ours (dependencies: torch, ipyparallel,
+    # ...) after it. A path in a .pth file is not a site dir, so the editable install of
+    # the checkout that lives there stays inactive.
     deps = [p for p in site.getsitepackages() if "site-packages" in p]
     Path(purelib, "zz_deps.pth").write_text("\n".join(deps) + "\n")
     return py
 
 
-@pytest.mark.parametrize("editable", [False, True], ids=["pip-install", "pip-install-e"])
-def test_load_ext_after_install(tmp_path, editable):
+def _clean_env(home: Path, venv_py: Path) -> dict[str, str]:
+    env = {
+        "PATH": f"{venv_py.parent}:/usr/bin:/bin",
+        "HOME": str(home),
+        "IPYTHONDIR": str(home / "ipython"),
+        "JUPYTER_PLATFORM_DIRS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    return env
+
+
+def test_editable_install_loads_the_magics_from_the_checkout(tmp_path):
     py = _venv(tmp_path)
-    target = ["-e", str(REPO)] if editable else [str(REPO)]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--python",
-            str(py),
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            *target,
-        ],
-        check=True,
+    _pip(
+        "--python",
+        str(py),
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-e",
+        str(REPO),
         cwd=tmp_path,
     )
-    env = {"PATH": "/usr/bin:/bin", "IPYTHONDIR": str(tmp_path / "ipy"), "HOME": str(tmp_path)}
+    check = (
+        "import notebook_dist, notebook_dist.magics\n"
+        "from IPython.testing.globalipapp import start_ipython\n"
+        "ip = start_ipython()\nip.run_line_magic('load_ext', 'notebook_dist')\n"
+        "assert ip.find_cell_magic('distributed') and ip.find_line_magic('dist_init')\n"
+        "print(notebook_dist.magics.__file__)"
+    )
     out = subprocess.run(
-        [str(py), "-c", CHECK], capture_output=True, text=True, cwd=tmp_path, env=env
+        [str(py), "-c", check],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_clean_env(tmp_path, py),
     )
     assert out.returncode == 0, out.stderr
-    where = out.stdout.split("MAGICS_FROM", 1)[1].strip()
-    if editable:
-        assert where == str(REPO / "magics" / "__init__.py")
-    else:
-        assert "site-packages" in where and where.endswith("notebook_dist/magics/__init__.py")
+    assert out.stdout.strip() == str(REPO / "magics" / "__init__.py")
+
+
+class WheelKernel:
+    """A real kernel on the venv's Python, its working directory an empty folder."""
+
+    def __init__(self, venv_py: Path, home: Path, cwd: Path):
+        from jupyter_client import KernelManager
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        kernels = home / "kernels"
+        (kernels / "wheel").mkdir(parents=True)
+        spec = {
+            "argv": [str(venv_py), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "the built wheel",
+            "language": "python",
+        }
+        (kernels / "wheel" / "kernel.json").write_text(json.dumps(spec))
+        self.km = KernelManager(
+            kernel_name="wheel", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)])
+        )
+        self.km.start_kernel(cwd=str(cwd), env=_clean_env(home, venv_py))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        self.comms_opened = 0
+
+    def run(self, code: str, timeout: float = 180) -> dict:
+        """Run a cell that must succeed: its text, HTML and value."""
+        got = {"text": [], "html": [], "value": []}
+
+        def hook(msg):
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                got["text"].append(content["text"])
+            elif kind in ("display_data", "update_display_data", "execute_result"):
+                data = content["data"]
+                got["html"].append(data.get("text/html", ""))
+                target = got["value"] if kind == "execute_result" else got["text"]
+                target.append(data.get("text/plain", ""))
+            elif kind == "comm_open":
+                self.comms_opened += 1
+
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)["content"]
+        text = {k: "\n".join(v) for k, v in got.items()}
+        assert reply["status"] == "ok", (code, reply.get("evalue"), reply.get("traceback"), text)
+        return text
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+@pytest.mark.slow
+def test_the_built_wheel_runs_cells_in_a_kernel_started_in_an_empty_folder(built, tmp_path):
+    py = _venv(tmp_path)
+    _pip("--python", str(py), "install", "-q", "--no-deps", str(built["wheel"]), cwd=tmp_path)
+    site_packages = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    k = WheelKernel(py, tmp_path, empty)
+    pids: list[int] = []
+    try:
+        where = k.run(
+            "import notebook_dist\nprint(notebook_dist.__file__, notebook_dist.__version__)"
+        )
+        assert where["text"].split() == [f"{site_packages}/notebook_dist/__init__.py", VERSION]
+        k.run("%load_ext notebook_dist")
+        started = k.run("%dist_init -n 2")["text"]
+        assert f"notebook_dist {VERSION} · torch " in started and "2 ranks, gloo" in started
+        cell = k.run(
+            "%%distributed\nimport os\nfor step in range(1, 6):\n"
+            "    nd.report(step=step, total=5, loss=1.0 / step)\n"
+            "t = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\n"
+            "(nd.__file__, float(t), os.getpid())"
+        )
+        # the ranks import the installed copy too, and the kernel's dashboard
+        # (notebook_dist.ui, once missing from the wheel) ran and left its record
+        assert f"'{site_packages}/notebook_dist/__init__.py', 3.0" in cell["value"], cell
+        assert k.comms_opened >= 1 and "nd-dashboard nd-final" in cell["html"], cell
+        assert "step" in cell["html"] and "5/5" in cell["html"]
+        pids = [int(p) for p in re.findall(r"3\.0, (\d+)\)", cell["value"])]
+        assert len(pids) == 2
+        status = k.run("%dist_status")
+        assert f"notebook_dist {VERSION}" in status["html"] and "idle" in status["text"]
+        assert "stacks at the end of the last cell:" in k.run("%dist_stacks")["text"]
+        exported = k.run("%dist_export train.py")["text"]
+        assert "wrote train.py: 1 distributed cell" in exported
+        assert "nd.report(step=step" in (empty / "train.py").read_text()
+        assert "cluster stopped" in k.run("%dist_shutdown")["text"]
+        assert pids_alive(pids) == []
+        assert sorted(os.listdir(empty)) == ["train.py"]
+    finally:
+        k.close()
+        for pid in pids_alive(pids):
+            os.kill(pid, 9)

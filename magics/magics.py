@@ -213,8 +213,11 @@ class DistMagics(Magics):
         self._start(wanted)
 
     def _start(self, cluster: DistCluster) -> DistCluster:
+        from notebook_dist.about import versions_line
+
         cluster.start()
         session.set_current(cluster)
+        print(versions_line(cluster))
         print(cluster.table())
         for note in cluster.notes:
             print(f"note: {note}")
@@ -246,11 +249,12 @@ class DistMagics(Magics):
         if cluster is None:
             print("notebook_dist: no cluster is running (start one with %dist_init).")
             return
+        from notebook_dist.about import versions_line
+
         rows = cluster.status()
         columns = ("rank", "host", "pid", "device", "backend", "state", "process_group")
-        text = f"{cluster.world_size} ranks, backend {cluster.backend}\n" + cluster.table(
-            rows, columns
-        )
+        title = versions_line(cluster)
+        text = title + "\n" + cluster.table(rows, columns)
         from notebook_dist.ui import widgets_available
 
         if widgets_available():
@@ -259,7 +263,7 @@ class DistMagics(Magics):
             from notebook_dist.ui.html import DashboardRecord, render_html
             from notebook_dist.ui.state import cluster_state
 
-            display(DashboardRecord(render_html(cluster_state(cluster, rows)), text))
+            display(DashboardRecord(render_html(cluster_state(cluster, rows, title)), text))
         else:
             print(text)
 

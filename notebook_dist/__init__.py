@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
-
 _LAZY = {
     "DistCluster": ("notebook_dist.cluster", "DistCluster"),
     "DistConfig": ("notebook_dist.config", "DistConfig"),
@@ -32,6 +30,7 @@ _RANK_FIELDS = ("rank", "world_size", "local_rank", "device")
 __all__ = [
     *_LAZY,
     *_RANK_FIELDS,
+    "__version__",
     "is_main",
     "report",
     "load_ipython_extension",
@@ -40,6 +39,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # from the installed metadata, read only when asked for
+        from .about import version
+
+        return version()
     if name == "faults":
         import importlib
 

@@ -218,7 +218,9 @@ def test_status_and_reuse(live, run):
     out = run("%dist_status")
     assert out.error is None, out.output
     lines = out.stdout.splitlines()
-    assert lines[0] == "2 ranks, backend gloo"
+    # what a bug report needs: the versions, then the world
+    assert lines[0].startswith("notebook_dist ") and " · torch 2.13" in lines[0]
+    assert " · ipyparallel " in lines[0] and lines[0].endswith(" · 2 ranks, gloo")
     assert lines[1].split() == [
         "rank",
         "host",

@@ -88,6 +88,8 @@ def render_html(st: DashboardState, live: bool = False) -> str:
     )
     if st.throughput:
         head += f" · {st.throughput:,.0f} samples/s"
+    if st.title:
+        head = f"<span class='nd-title'>{html.escape(st.title)}</span><br>{head}"
     rows = "".join(_row(st.rows[r]) for r in st.ranks if r in st.rows)
     verdict = (
         f"<div class='nd-verdict' style='color:#e65100'><b>Diagnosis:</b> {html.escape(st.verdict)}</div>"

@@ -41,6 +41,7 @@ class DashboardState:
     throughput: float | None = None  # samples/s, when ranks report samples=
     verdict: str | None = None
     finished: bool = False
+    title: str = ""  # %dist_status: the versions line (notebook_dist.about)
     rows: dict[int, RankRow] = field(default_factory=dict)
 
 
@@ -117,7 +118,7 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
     return st
 
 
-def cluster_state(cluster, rows: list[dict] | None = None) -> DashboardState:
+def cluster_state(cluster, rows: list[dict] | None = None, title: str = "") -> DashboardState:
     """The whole cluster when no cell runs (for %dist_status)."""
     rows = cluster.status() if rows is None else rows
     st = DashboardState(
@@ -126,6 +127,7 @@ def cluster_state(cluster, rows: list[dict] | None = None) -> DashboardState:
         devices=[r.device for r in cluster.ranks],
         ranks=[r["rank"] for r in rows],
         finished=True,
+        title=title,
     )
     for r in rows:
         state = (

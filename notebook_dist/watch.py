@@ -58,8 +58,12 @@ class CellWatch:
         self.ar = ar
         self.ranks = ranks
         self.prepared = prepared
-        client = cluster._client
-        self.metadata = [client.metadata[mid] for mid in ar.msg_ids]
+        # each rank's message metadata (output, agent snapshots), as the AsyncResult bound
+        # it when it sent the request. Not client.metadata[msg_id]: ipyparallel drops that
+        # entry once the reply and output are in, and a fast cell can get there before
+        # this line runs; the lookup would then make a fresh, empty entry and every line
+        # the cell printed would be lost.
+        self.metadata = list(ar._metadata)
         self.futures = list(ar._children)  # one per rank, in rank order
         self.streamer = OutputStreamer(
             list(zip(ranks, self.metadata)), out, err, log_name=prepared.filename

@@ -64,6 +64,27 @@ def test_output_streams_tagged_by_rank_with_nothing_dropped(live, run):
     assert out.result.result is None  # no last expression, no value
 
 
+def test_a_cell_that_ends_before_it_is_watched_keeps_its_output(live, run, monkeypatch):
+    """The race a busy machine loses now and then, made certain: the cell has finished and
+    ipyparallel has dropped its bookkeeping before the kernel starts to watch it."""
+    from notebook_dist import watch as watch_module
+
+    real_init = watch_module.CellWatch.__init__
+
+    def late_init(self, cluster, ar, *args, **kwargs):
+        ar.wait(30)
+        ar.wait_for_output(30)
+        for mid in ar.msg_ids:  # what ipyparallel's cleanup does once reply and output are in
+            cluster._client.metadata.pop(mid, None)
+        real_init(self, cluster, ar, *args, **kwargs)
+
+    monkeypatch.setattr(watch_module.CellWatch, "__init__", late_init)
+    out = run("%%distributed\nprint('said before the watch began', nd.rank)\nnd.rank")
+    assert out.error is None, out.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] said before the watch began {rank}\n" in out.stdout
+
+
 def test_exception_on_one_rank_points_at_cell_lines(live, run):
     out = run(
         "%%distributed\nx = 1\nif dist.get_rank() == 1:\n    raise ValueError('rank one is unhappy')\nprint('done', nd.rank)"

@@ -34,12 +34,19 @@ for step in range(1, STEPS + 1):
     nd.report(step=step, total=STEPS, loss=loss.item(), samples=64)
 """
 
-# timed as torchrun_job.py times it: from a barrier, on rank 0
+# timed as torchrun_job.py times it: from a barrier, on rank 0; the value also says how
+# many steps ran, so a loop that stopped early is never timed as a fast one
 TIMED_LOOP = (
     "import time as _t\ndist.barrier()\n_t0 = _t.perf_counter()\n"
     + TRAIN_LOOP
-    + "STEPS / (_t.perf_counter() - _t0)\n"
+    + "(STEPS / (_t.perf_counter() - _t0), step)\n"
 )
+
+
+def check_steps(values: dict, steps: int) -> None:
+    """Every rank ran every step it was timed for."""
+    ran = {rank: v[-1] for rank, v in values.items()}
+    assert len(ran) == 2 and set(ran.values()) == {steps}, f"steps run: {ran}, wanted {steps}"
 
 
 def summarize(xs: list[float]) -> dict:
@@ -121,9 +128,15 @@ def startup(reps: int) -> dict:
                 t0 = time.perf_counter()
                 c = DistCluster(n=2).start()  # returns once every rank's process group is usable
                 ours.append(time.perf_counter() - t0)
-                c.shutdown()
+                try:  # (not timed) the group is usable: an all_reduce sums
+                    summed = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
+                    assert dict(summed.values) == {0: 2.0, 1: 2.0}, summed.values
+                finally:
+                    c.shutdown()
             else:
-                theirs.append(_torchrun(["startup"])[0])
+                elapsed, stdout = _torchrun(["startup"])
+                assert "RESULT 2.0" in stdout, stdout  # its all_reduce summed
+                theirs.append(elapsed)
     return {
         "dist_init_s": summarize(ours),
         "torchrun_s": summarize(theirs),
@@ -132,18 +145,24 @@ def startup(reps: int) -> dict:
 
 
 def dispatch(cluster, shell, reps: int) -> dict:
+    """An (almost) empty cell: ours against ipyparallel's own execute. Both count their
+    runs on the ranks, and the counts are checked: a failure is never timed."""
     view = cluster._client.direct_view(cluster._engine_ids)
+    cluster.run("_bench_n = 0").raise_for_errors()
     ours, raw = [], []
     for _ in range(5):  # warm up both paths
-        shell.run_cell_magic("distributed", "--no-dashboard", "pass")
-        view.execute("pass", block=True)
+        shell.run_cell_magic("distributed", "--no-dashboard", "_bench_n += 1")
+        view.execute("_bench_n += 1", block=True).get()
     for _ in range(reps):
         t0 = time.perf_counter()
-        shell.run_cell_magic("distributed", "", "pass")
+        shell.run_cell_magic("distributed", "", "_bench_n += 1")
         ours.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        view.execute("pass", block=True)
+        view.execute("_bench_n += 1", block=True).get()
         raw.append(time.perf_counter() - t0)
+    counts = dict(cluster.run("_bench_n").values)
+    expected = 2 * (5 + reps)
+    assert counts == {r: expected for r in counts} and len(counts) == 2, counts
     return {
         "cell_s": summarize(ours),
         "view_execute_s": summarize(raw),
@@ -172,7 +191,9 @@ def nbdistributed_dispatch(reps: int) -> dict | None:
         )
         if r.returncode != 0:
             return {"skipped": "nbdistributed 0.1.0 could not be installed: " + r.stderr[-300:]}
-    env = dict(os.environ, PYTHONPATH=str(target), OMP_NUM_THREADS="1")
+    # its workers start `python` from PATH: this venv's, or they cannot import zmq
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    env = dict(os.environ, PYTHONPATH=str(target), OMP_NUM_THREADS="1", PATH=path)
     out = subprocess.run(
         [sys.executable, str(HERE / "nbd_dispatch.py"), str(reps)],
         capture_output=True,
@@ -180,12 +201,18 @@ def nbdistributed_dispatch(reps: int) -> dict | None:
         env=env,
         timeout=300,
     )
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        return {"skipped": "nbdistributed run failed: " + (out.stderr or out.stdout)[-500:]}
     import json
 
-    return json.loads(line[7:])
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+        if line.startswith("SKIPPED "):
+            return {"skipped": "nbdistributed: " + json.loads(line[8:])}
+    return {"skipped": "nbdistributed run failed: " + (out.stderr or out.stdout)[-500:]}
+
+
+# an exact checksum of a tensor's bytes (integer sums do not round)
+CHECKSUM = "int({0}.view(torch.int32 if {0}.element_size() == 4 else torch.int16).long().sum())"
 
 
 def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 3) -> dict:
@@ -221,8 +248,14 @@ def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 3) -> dict:
                 push.append(time.perf_counter() - t0)
                 if mb <= 16:  # ipyparallel's own path pickles tensors in band: slow at 256 MB
                     t0 = time.perf_counter()
-                    view.pull("x", block=True)
+                    pulled = view.pull("x", block=True)
                     pull_ipp.append(time.perf_counter() - t0)
+                    assert pulled[1].numel() == n
+            # (not timed) what was timed arrived whole: the gathered and the pushed tensors
+            got = cluster.run("pass", gather=["x"]).gathered["x"]
+            assert torch.equal(got[1], r.values[1]) and got[0].numel() == n
+            sums = cluster.run(CHECKSUM.format("y")).values
+            assert set(sums.values()) == {eval(CHECKSUM.format("local"))}, sums
             key = f"{dtype}_{mb}MB"
             out[key] = {
                 "value_vs_copy": ratio(copy, value)["ratio"],
@@ -241,9 +274,13 @@ def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 3) -> dict:
 
 TRACKING_CELL = """
 import time
-t = torch.ones(8)
 raw = dist.all_reduce._notebook_dist_original
 tracked = dist.all_reduce
+check = torch.ones(1)  # both paths sum (1 + 1, then 2 + 2): what is timed works
+tracked(check)
+raw(check)
+assert float(check) == 4.0, check
+t = torch.zeros(8)
 res = {"tracked": [], "raw": []}
 dist.barrier()
 for rnd in range(ROUNDS):
@@ -301,9 +338,13 @@ def training(cluster, steps: int, reps: int) -> dict:
         feed = _widget_feed()
         r = cluster.run(TIMED_LOOP.replace("STEPS", str(steps)), on_update=feed)
         r.raise_for_errors()
-        ours.append(r.values[0])
+        check_steps(r.values, steps)
+        assert feed.updates > 0, "the dashboard was never fed"
+        ours.append(r.values[0][0])
         _, stdout = _torchrun(["train", str(steps)])
-        theirs.append(float(stdout.split("RESULT ")[1].split()[0]))
+        rate, ran = stdout.split("RESULT ")[1].split()[:2]
+        assert int(ran) == steps, stdout
+        theirs.append(float(rate))
     return {
         "notebook_steps_per_s": summarize(ours),
         "torchrun_steps_per_s": summarize(theirs),
@@ -316,7 +357,7 @@ def training(cluster, steps: int, reps: int) -> dict:
 CPU_TIMED_LOOP = (
     "import time as _t\ndist.barrier()\n_t0, _c0 = _t.perf_counter(), _t.process_time()\n"
     + TRAIN_LOOP
-    + "(STEPS / (_t.perf_counter() - _t0), _t.process_time() - _c0)\n"
+    + "(STEPS / (_t.perf_counter() - _t0), _t.process_time() - _c0, step)\n"
 )
 
 
@@ -365,6 +406,8 @@ def dashboard_overhead(cluster, steps: int, reps: int) -> dict:
             else:
                 r = cluster.run(codes[1])
             r.raise_for_errors()
+            check_steps(r.values, steps)
+            assert which == 1 or feed.updates > 0, "the dashboard was never fed"
             kernel[which].append(time.process_time() - c0)
             wall = min(v[0] for v in r.values.values())
             per_cpu = steps / (sum(v[1] for v in r.values.values()) + kernel[which][-1])
@@ -404,8 +447,9 @@ def growth(reps: int) -> dict:
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                c.run("pass")
+                r = c.run("pass")
                 times.append(time.perf_counter() - t0)
+                r.raise_for_errors()
             c.run("x = torch.randn(4 * 2**20)").raise_for_errors()
             g = []
             for _ in range(3):

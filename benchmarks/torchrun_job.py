@@ -12,6 +12,8 @@ dist.init_process_group("gloo")
 if mode == "startup":
     t = torch.ones(1)
     dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        print(f"RESULT {float(t)}")  # the caller checks that it summed
 elif mode == "train":
     steps = int(sys.argv[2])
     sys.path.insert(0, os.path.dirname(__file__))
@@ -34,7 +36,7 @@ elif mode == "train":
     exec(TRAIN_LOOP.replace("STEPS", str(steps)), ns)
     elapsed = time.perf_counter() - t0
     if dist.get_rank() == 0:
-        print(f"RESULT {steps / elapsed}")
+        print(f"RESULT {steps / elapsed} {ns['step']}")  # the caller checks every step ran
 _last = dist.barrier(async_op=True)  # kept until exit: see FOOTER in notebook_dist/export.py
 _last.wait()
 dist.destroy_process_group()

@@ -79,12 +79,10 @@ class DebugMagics(Magics):
         if watch is None:
             print("notebook_dist: no cell has run yet.")
             return
-        if watch.frozen is not None and not watch.running():
-            for r, snap in watch.frozen.items():
-                watch.views[r].snap = snap
-                if watch.views[r].released:
-                    watch.views[r].status = "running"  # as it was before the release
-        print(watch.diagnose().text())
+        if watch.running():
+            print(watch.diagnose().text())
+        else:  # the ranks as they were when the hang showed or they were released
+            print((watch.final or watch.diagnose(before_release=True)).text())
 
     @magic_arguments()
     @argument(

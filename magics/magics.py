@@ -395,7 +395,8 @@ class DistMagics(Magics):
         filename = f"Cell In[{self.shell.displayhook.prompt_count}]"  # IPython's own Out[N] number
         from notebook_dist.ui import DashboardFeed, make_dashboard
 
-        board = make_dashboard(cluster.config.dashboard if dashboard else "off")
+        config = cluster.config
+        board = make_dashboard(config.dashboard if dashboard else "off", config.dashboard_quiet_s)
         feed = DashboardFeed(board) if board is not None else None
         before = cluster.last_watch
         try:

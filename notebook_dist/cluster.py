@@ -639,7 +639,7 @@ class DistCluster:
         watch.hang_action = on_hang
         watch.run_to_end()
         if any(v.status == "dead" for v in watch.views.values()):
-            raise ClusterError(watch.diagnose().verdict)
+            raise ClusterError((watch.final or watch.diagnose()).verdict)
         results = [watch.views[r].result for r in selected]
         result = collect(selected, results, gather)
         for r in watch.released:

@@ -37,6 +37,12 @@ class DistConfig:
     """``auto`` (live widgets in Jupyter, text elsewhere), ``widget``, ``text`` or ``off``;
     ``%%distributed --no-dashboard`` turns it off for one cell."""
 
+    dashboard_quiet_s: float = 1.0
+    """A cell that ends sooner than this, with no ``nd.report``, error, release or hang,
+    leaves one line (ranks, backend, time, states) instead of the full table, and never
+    opens a widget: a tutorial must not become a wall of tables. 0 keeps the full record
+    under every cell."""
+
     heartbeat_ms: int = 300
     """ipyparallel's controller heartbeat period. Its default (3 s) makes each engine wait
     up to one period to finish registering, most of the cluster's start-up time here;

@@ -87,6 +87,18 @@ class RankError(NotebookDistError, RuntimeError):
         return lines
 
 
+class CellInterrupted(KeyboardInterrupt):
+    """The cell was interrupted (Ctrl-C, the stop button) and the ranks were stopped.
+
+    The tool's own message about the ranks is printed above; this renders as one short
+    final line instead of a traceback through the kernel's machinery, and the cell still
+    fails, so "Run All" stops. A KeyboardInterrupt, for code that catches those.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"CellInterrupted: {self}"]
+
+
 class HangError(NotebookDistError, RuntimeError):
     """A cell stopped because it hung (``--on-hang stop``); the message is the verdict.
 

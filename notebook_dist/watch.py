@@ -12,21 +12,15 @@ snapshot of every rank, notes which ranks finished (and how), and decides:
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from .doctor import Diagnosis, diagnose
+from .doctor.facts import TRANSPORT_ERROR
 from .execute import OutputStreamer, PreparedCell
 from .values import unpack
-
-# how a collective fails when a peer's connections close under it (torch-internal ones,
-# such as DDP's gradient all_reduce, never pass the tracker)
-_TRANSPORT_ERROR = re.compile(
-    r"gloo|nccl|connection (closed|reset) by peer|broken pipe", re.IGNORECASE
-)
 
 
 @dataclass
@@ -39,6 +33,8 @@ class RankView:
     result: dict | None = None
     exit: str | None = None
     released: bool = False
+    #: its snapshot when it was released (what it waited in): the final verdict reads it
+    before_release: dict | None = None
     fingerprint: tuple = ()
 
 
@@ -85,6 +81,11 @@ class CellWatch:
         self.frozen: dict[int, dict] | None = None
         self.token = ""  # the cell's id on the ranks: releases name it
         self.hang_action = "show"  # or "stop": end the cell once a hang is diagnosed
+        self.interrupted = False
+        #: how a stopped cell ended ("released rank 0 ...; every rank kept its variables")
+        self.outcome: str | None = None
+        #: the verdict the record under the cell keeps (None for a cell that ran cleanly)
+        self.final: Diagnosis | None = None
 
     # ---- state ----------------------------------------------------------------------
 
@@ -97,6 +98,7 @@ class CellWatch:
             snap = (md.get("data") or {}).get("nd")
             if v.status == "running" and snap and snap.get("cell_started", 0) >= self.started - 5:
                 v.snap = snap
+            snap = v.snap  # (kept: the last running snapshot, if the rank ends now)
             if v.status == "running":
                 if r in dead:
                     v.status, v.exit = "dead", dead[r]
@@ -109,6 +111,7 @@ class CellWatch:
                         if v.status == "error" and self._failed_by_release(v):
                             self.released.add(r)
                             v.released = True
+                            v.before_release = snap or None
                     except Exception as exc:  # engine-level failure
                         v.status = "error"
                         v.result = {
@@ -122,6 +125,8 @@ class CellWatch:
             fp = (
                 v.status,
                 v.snap.get("collectives_done"),
+                v.snap.get("p2p_done"),
+                len(v.snap.get("p2p_pending") or ()),
                 (v.snap.get("collective") or {}).get("seq"),
                 tuple((f["file"], f["line"]) for f in v.snap.get("stack", [])[-3:]),
                 v.snap.get("reports"),
@@ -142,10 +147,16 @@ class CellWatch:
     def running(self) -> list[int]:
         return [r for r, v in self.views.items() if v.status == "running"]
 
-    def doctor_input(self) -> dict[int, dict]:
+    def doctor_input(self, before_release: bool = False) -> dict[int, dict]:
+        """What the doctor reads; ``before_release``: a released rank as it was when it was
+        released (waiting), not as its released collective ended."""
         out = {}
         for r, v in self.views.items():
             info: dict[str, Any] = {"status": v.status, "snap": v.snap}
+            if before_release and v.released:
+                info = {"status": "running", "snap": v.before_release or v.snap}
+                out[r] = info
+                continue
             if v.status == "dead":
                 info["exit"] = v.exit
                 info.update(self.cluster.fault_report(r))
@@ -159,9 +170,9 @@ class CellWatch:
             out[r] = info
         return out
 
-    def diagnose(self) -> Diagnosis:
+    def diagnose(self, before_release: bool = False) -> Diagnosis:
         self.diagnosis = diagnose(
-            self.doctor_input(),
+            self.doctor_input(before_release),
             now=time.time(),
             cell_file=self.prepared.filename,
             source=self.prepared.source,
@@ -235,9 +246,7 @@ class CellWatch:
             return False
         error = v.result.get("error") or {}
         ended = (v.result.get("final") or {}).get("time", 0.0)
-        from_collective = error.get("collective") or _TRANSPORT_ERROR.search(
-            error.get("evalue", "")
-        )
+        from_collective = error.get("collective") or TRANSPORT_ERROR.search(error.get("evalue", ""))
         return bool(from_collective) and ended >= self.release_time
 
     def release(self, ranks: list[int]) -> None:
@@ -246,6 +255,7 @@ class CellWatch:
         for r in ranks:
             self.released.add(r)
             self.views[r].released = True
+            self.views[r].before_release = dict(self.views[r].snap)
         self.cluster.release_collectives(ranks, self.token)
 
     def finish(self) -> None:
@@ -254,29 +264,50 @@ class CellWatch:
     # ---- the cell's life ------------------------------------------------------------
 
     def run_to_end(self) -> None:
-        """Poll until every rank finished; Ctrl-C interrupts the ranks, then re-raises."""
-        try:
-            while self.running() and not self.abandoned:
-                self.ar.wait(0.05)
-                self.poll()
-        except _StopHung:
-            verdict = self.shown_verdict
-            self.interrupt(quiet=True)
-            from .errors import HangError
+        """Poll until every rank finished. Ctrl-C interrupts the ranks, then raises
+        :class:`~notebook_dist.errors.CellInterrupted` (one short line, not a traceback
+        through the kernel)."""
+        from .errors import CellInterrupted, HangError
 
-            raise HangError(verdict) from None
-        except KeyboardInterrupt:
-            self.interrupt()
-            raise
+        try:
+            try:
+                while self.running() and not self.abandoned:
+                    self.ar.wait(0.05)
+                    self.poll()
+            except _StopHung:
+                verdict = self.shown_verdict
+                self.interrupt(quiet=True)
+                raise HangError(verdict) from None
+            except KeyboardInterrupt:
+                self.interrupt()
+                raise CellInterrupted(self._interrupted_line()) from None
+            finally:
+                # every rank's output arrives before the cell ends (its iopub 'idle'); a big
+                # output on a busy machine can take seconds, a dead rank never says idle
+                if not self.running():
+                    dead = any(v.status == "dead" for v in self.views.values())
+                    self.ar.wait_for_output(1 if dead else 15)
+                self.finish()
+            if self.released and not any(v.status == "dead" for v in self.views.values()):
+                self.rebuild_after_release()
         finally:
-            # every rank's output arrives before the cell ends (its iopub 'idle'); a big
-            # output on a busy machine can take seconds, a dead rank never says idle
-            if not self.running():
-                dead = any(v.status == "dead" for v in self.views.values())
-                self.ar.wait_for_output(1 if dead else 15)
-            self.finish()
-        if self.released and not any(v.status == "dead" for v in self.views.values()):
-            self.rebuild_after_release()
+            self.final = self.final_diagnosis()
+
+    def _interrupted_line(self) -> str:
+        stuck = self.running()
+        if stuck:
+            return f"the cell was interrupted; {_ranks(stuck)} did not stop (see above)"
+        return f"the cell was interrupted on {_ranks(self.ranks)}; every rank kept its variables"
+
+    def final_diagnosis(self) -> Diagnosis | None:
+        """What the record under a stopped cell keeps: the verdict on the ranks as they were
+        when the hang showed or the ranks were released or interrupted, and how it ended."""
+        if not (self.shown_verdict or self.released or self.interrupted):
+            return None
+        diag = self.diagnose(before_release=True)
+        if self.outcome:
+            diag.verdict += f" {self.outcome}"
+        return diag
 
     def _wait_until(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -286,6 +317,7 @@ class CellWatch:
 
     def interrupt(self, quiet: bool = False) -> None:
         """Interrupt Python on every rank; release those blocked in collectives."""
+        self.interrupted = True
         stream = self.streamer._stream("stdout")
         if self.frozen is None:
             self.freeze()
@@ -300,15 +332,19 @@ class CellWatch:
         self.finish()
         stuck = self.running()
         if stuck:
-            stream.write(
-                f"notebook_dist: rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} did not stop "
-                "(inside code that ignores interrupts). %dist_restart replaces the ranks; add --replay to re-run "
-                "your setup cells.\n"
+            self.outcome = (
+                f"Interrupted: {_ranks(stuck)} did not stop (inside code that ignores interrupts). "
+                "%dist_restart replaces the ranks; add --replay to re-run your setup cells."
             )
+            stream.write(f"notebook_dist: {self.outcome}\n")
         elif self.released:
             self.rebuild_after_release()
-        elif not quiet:
-            stream.write("notebook_dist: interrupted; every rank is idle and kept its variables.\n")
+        else:
+            self.outcome = "Interrupted; every rank is idle and kept its variables."
+            if not quiet:
+                stream.write(
+                    "notebook_dist: interrupted; every rank is idle and kept its variables.\n"
+                )
         stream.flush()
 
     def rebuild_after_release(self) -> None:
@@ -318,13 +354,15 @@ class CellWatch:
         try:
             took = self.cluster.rebuild_process_group()
         except ClusterError as exc:
-            stream.write(
-                f"notebook_dist: the process group could not be rebuilt ({exc}); run %dist_restart.\n"
-            )
+            self.outcome = f"The process group could not be rebuilt ({exc}); run %dist_restart."
+            stream.write(f"notebook_dist: {self.outcome[0].lower()}{self.outcome[1:]}\n")
             return
-        who = ", ".join(map(str, sorted(self.released)))
+        self.outcome = (
+            f"Released {_ranks(self.released)} from collectives that could not complete; every "
+            "rank kept its variables and the process group was rebuilt."
+        )
         stream.write(
-            f"notebook_dist: released rank{'s' if len(self.released) > 1 else ''} {who} from "
+            f"notebook_dist: released {_ranks(self.released)} from "
             f"collectives that could not complete; every rank kept its variables and the process group "
             f"was rebuilt ({took:.2f} s). Process groups you made with new_group() must be made again.\n"
         )
@@ -333,6 +371,11 @@ class CellWatch:
 
 class _StopHung(KeyboardInterrupt):
     """Internal: ends the watch loop like Ctrl-C would, after a diagnosis (--on-hang stop)."""
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _error_line(traceback_text: str, filename: str) -> int | None:

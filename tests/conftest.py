@@ -122,6 +122,13 @@ def live(cluster2):
     return cluster2()
 
 
+def rank_table(stdout: str) -> list[str]:
+    """The rank table %dist_init prints (header first), below its versions line."""
+    lines = stdout.strip().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["rank", "host"])
+    return lines[start:]
+
+
 def python_exe() -> str:
     return sys.executable
 

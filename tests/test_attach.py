@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from conftest import pids_alive
+from conftest import pids_alive, rank_table
 
 from notebook_dist.errors import PreflightError
 from notebook_dist.plan import master_address, rank_order
@@ -99,7 +99,7 @@ def test_attach_runs_ranks_and_leaves_the_engines_running(ipcluster, no_current,
     cluster_id, pids = ipcluster
     out = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id}")
     assert out.error is None, out.output
-    lines = out.stdout.strip().splitlines()
+    lines = rank_table(out.stdout)
     assert lines[0].split() == ["rank", "host", "pid", "device", "backend"]
     assert [int(ln.split()[2]) for ln in lines[1:]] == sorted(pids)  # engine order = rank order
     out = run(

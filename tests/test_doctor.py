@@ -168,6 +168,78 @@ def test_uneven_data_in_a_ddp_loop(cluster):
     assert_recovered(cluster)
 
 
+def test_ranks_that_both_send_first_are_a_point_to_point_deadlock(cluster):
+    code = (
+        "t = torch.ones(4)\nother = 1 - nd.rank\ndist.send(t, dst=other)\ndist.recv(t, src=other)\n"
+    )
+    diag, out = run_until_verdict(cluster, code)
+    assert diag.kind == "p2p-deadlock" and diag.culprits == [0, 1] and diag.line == 4
+    assert diag.verdict.startswith(
+        "Ranks 0, 1 are in a point-to-point deadlock: rank 0 waits in send to rank 1 at line 4; "
+        "rank 1 waits in send to rank 0 at line 4. Each sends before it receives"
+    )
+    assert "rank parity" in diag.verdict and "network" not in diag.verdict
+    assert [row["state"] for row in diag.rows] == ["in send to rank 1", "in send to rank 0"]
+    assert "rank 0: in send to rank 1\n  line 4, in <module>\n    dist.send(t, dst=other)" in out
+    assert_recovered(cluster)
+
+
+def test_posted_receives_waited_on_are_a_deadlock_at_the_wait(cluster):
+    code = "t = torch.ones(4)\nreq = dist.irecv(t, src=1 - nd.rank)\nreq.wait()\n"
+    diag, _ = run_until_verdict(cluster, code)
+    assert diag.kind == "p2p-deadlock" and diag.culprits == [0, 1] and diag.line == 3
+    assert "rank 1 waits in irecv from rank 0 at line 4 (posted at line 3)" in diag.verdict
+    assert "Each receives before it sends" in diag.verdict
+    assert_recovered(cluster)
+
+
+def test_a_receive_from_a_rank_that_finished_names_it_and_the_branch(cluster):
+    code = "t = torch.ones(4)\nif nd.rank == 1:\n    dist.recv(t, src=0)\n"
+    diag, _ = run_until_verdict(cluster, code)
+    assert diag.kind == "p2p-missing" and diag.culprits == [0] and diag.line == 4
+    assert diag.verdict.startswith(
+        "Rank 1 waits in recv from rank 0 at line 4, but rank 0 finished the cell without sending "
+        "to it. Line 4 is inside `if nd.rank == 1:` (line 3), so only some ranks reach it."
+    )
+    assert_recovered(cluster)
+
+
+def test_a_collective_torch_issues_inside_a_library_call_on_one_rank(cluster):
+    code = (
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import Shard, distribute_tensor\n"
+        "mesh = init_device_mesh('cpu', (2,))\n"
+        "w = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])\n"
+        "if nd.rank == 0:\n    full = w.full_tensor()\n"
+    )
+    diag, _ = run_until_verdict(cluster, code)
+    assert diag.kind == "library" and diag.culprits == [0] and diag.line == 7
+    assert diag.verdict.startswith(
+        "Rank 0 waits in all_gather, a collective torch issued inside full_tensor() "
+        "(torch/distributed/tensor/_api.py), called at line 7 (`full = w.full_tensor()`), while "
+        "rank 1 finished the cell without calling it. Line 7 is inside `if nd.rank == 0:` (line 6)"
+    )
+    assert "No rank is in a collective" not in diag.verdict
+    assert diag.rows[0]["state"] == "in an internal collective"
+    assert diag.rows[1]["state"] == "finished the cell"
+    assert_recovered(cluster)
+
+
+def test_a_killed_rank_is_named_where_it_was_last_seen(cluster):
+    with pytest.raises(ClusterError) as info:
+        cluster.run(
+            "import os, signal, time\nif nd.rank == 1:\n    time.sleep(1.5)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(torch.ones(1))\n",
+            filename="Cell In[7]",
+            header="%%distributed",
+        )
+    # its peer's all_reduce failed when the killed rank's connections closed: a consequence
+    assert str(info.value).startswith(
+        "rank 1 was killed by SIGKILL (last seen at line 4). Rank 0's collective at line 6 "
+        "failed when the connections closed. Run %dist_restart"
+    ), str(info.value)
+
+
 def test_exception_on_one_rank_ends_the_cell_promptly(cluster):
     # promptly: rank 0 is released from its all_reduce, not left to the collective timeout
     out = io.StringIO()
@@ -177,6 +249,7 @@ def test_exception_on_one_rank_ends_the_cell_promptly(cluster):
         header="%%distributed",
         out=out,
     )
+    watch = cluster.last_watch
     assert list(r.errors) == [1] and r.errors[1].evalue == "rank 1 broke"
     assert r.released == [0]
     assert (
@@ -185,6 +258,19 @@ def test_exception_on_one_rank_ends_the_cell_promptly(cluster):
     )
     kept = cluster.run("x")
     assert dict(kept.values) == {0: 5, 1: 5}
+    # the record under the cell is final: the released rank is "released", not an error,
+    # and the verdict is the cause, with how the cell ended
+    from notebook_dist.ui.state import build
+
+    final = build(watch)
+    assert [final.rows[0].state, final.rows[1].state] == ["released", "error"]
+    assert final.verdict.startswith(
+        "rank 1 raised ValueError at line 6; rank 0 waits in all_reduce #1 at line 7 that will never come."
+    )
+    assert final.verdict.endswith(
+        "Released rank 0 from collectives that could not complete; every rank kept its "
+        "variables and the process group was rebuilt."
+    )
     assert_recovered(cluster)
 
 
@@ -224,7 +310,9 @@ def test_interrupt_releases_ranks_blocked_in_gloo_and_keeps_state(cluster):
 def test_rank_that_died_is_reported_with_its_signal_and_next_cell_says_what_to_do(cluster):
     with pytest.raises(ClusterError) as info:
         cluster.run("nd.faults.die(rank=1)", filename="Cell In[8]", header="%%distributed")
-    assert str(info.value).startswith("rank 1 was killed by SIGKILL.")
+    assert str(info.value).startswith(
+        "rank 1 was killed by SIGKILL (last seen at line 2, now in die"
+    )
     assert "Run %dist_restart" in str(info.value)
     sent = len(cluster._client.history)
     with pytest.raises(ClusterError) as info:

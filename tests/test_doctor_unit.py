@@ -213,3 +213,272 @@ def test_text_rendering_and_stacks():
     assert lines[-1].startswith("Diagnosis: The ranks disagree at collective #1")
     text = format_stacks({r: v["snap"] for r, v in ranks.items()}, CELL)
     assert text.splitlines()[:2] == ["rank 0: in broadcast #1", "  line 4, in <module>"]
+
+
+# ---- point-to-point -------------------------------------------------------------------
+
+
+def p2p(op, peer, line, tag=0, t0=990.0):
+    return {
+        "kind": "p2p",
+        "op": op,
+        "direction": "send" if "send" in op else "recv",
+        "peer": peer,
+        "tag": tag,
+        "group": "default",
+        "group_ranks": None,
+        "shapes": [(4,)],
+        "dtypes": ["float32"],
+        "where": (CELL, line),
+        "t0": t0,
+    }
+
+
+def test_ranks_that_both_send_first_are_a_point_to_point_deadlock():
+    ranks = {0: running(p2p("send", 1, 4)), 1: running(p2p("send", 0, 6))}
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "p2p-deadlock" and d.culprits == [0, 1] and d.line == 4
+    assert d.verdict.startswith(
+        "Ranks 0, 1 are in a point-to-point deadlock: rank 0 waits in send to rank 1 at line 4; "
+        "rank 1 waits in send to rank 0 at line 6. Each sends before it receives"
+    )
+    assert "rank parity" in d.verdict and "batch_isend_irecv" in d.verdict
+    assert "network" not in d.verdict
+    assert [r["state"] for r in d.rows] == ["in send to rank 1", "in send to rank 0"]
+
+
+def test_a_ring_of_receives_is_a_deadlock_too():
+    ranks = {r: running(p2p("recv", (r - 1) % 3, 5)) for r in range(3)}
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "p2p-deadlock" and d.culprits == [0, 1, 2]
+    assert "Each receives before it sends" in d.verdict
+
+
+def test_posted_irecvs_that_are_never_matched_deadlock_at_the_wait():
+    # both post an irecv, then wait on it: the stack says where they wait
+    def waiting_on_irecv(peer):
+        snap = running(None, stack=[frame(6)])
+        snap["snap"]["p2p_pending"] = [p2p("irecv", peer, 4)]
+        return snap
+
+    d = diagnose({0: waiting_on_irecv(1), 1: waiting_on_irecv(0)}, now=NOW, cell_file=CELL)
+    assert d.kind == "p2p-deadlock"
+    assert "rank 0 waits in irecv from rank 1 at line 6 (posted at line 4)" in d.verdict
+    assert d.rows[0]["state"] == "in irecv from rank 1"
+
+
+def test_a_matched_pair_is_not_blamed():
+    ranks = {0: running(p2p("send", 1, 4)), 1: running(p2p("recv", 0, 5))}
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert not d.kind.startswith("p2p") and d.culprits == []
+
+
+def test_mismatched_tags():
+    ranks = {0: running(p2p("send", 1, 4, tag=0)), 1: running(p2p("recv", 0, 5, tag=1))}
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "p2p-tag" and d.culprits == [0, 1] and d.line == 4
+    assert d.verdict.startswith(
+        "Rank 0 waits in send to rank 1 at line 4, and rank 1 waits in recv from rank 0 (tag 1) at "
+        "line 5: the tags differ (0 and 1)"
+    )
+
+
+def test_mismatched_peer():
+    ranks = {
+        0: running(p2p("send", 2, 4)),
+        1: running(p2p("recv", 0, 5)),
+        2: running(rec(1, "all_reduce", 9)),
+    }
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "p2p-peer" and d.culprits == [0, 1]
+    assert (
+        "Rank 1 waits in recv from rank 0 at line 5, but rank 0 waits in send to rank 2"
+        in d.verdict
+    )
+
+
+SOURCE_P2P = "%%distributed\nt = torch.ones(4)\nif nd.rank == 1:\n    dist.recv(t, src=0)\n"
+
+
+def test_a_receive_from_a_rank_that_finished_names_it_and_the_branch():
+    ranks = {0: done(), 1: running(p2p("recv", 0, 4))}
+    d = diagnose(ranks, now=NOW, cell_file=CELL, source=SOURCE_P2P)
+    assert d.kind == "p2p-missing" and d.culprits == [0] and d.line == 4
+    assert d.verdict.startswith(
+        "Rank 1 waits in recv from rank 0 at line 4, but rank 0 finished the cell without sending "
+        "to it. Line 4 is inside `if nd.rank == 1:` (line 3)"
+    )
+
+
+def test_a_receive_from_a_rank_that_went_into_a_collective():
+    ranks = {0: running(rec(1, "all_reduce", 7)), 1: running(p2p("recv", 0, 4))}
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "p2p-missing" and d.culprits == [0]
+    assert (
+        "but rank 0 went on without sending to it: it waits in all_reduce #1 at line 7" in d.verdict
+    )
+
+
+def test_a_receive_from_a_rank_that_raised_is_the_raise():
+    ranks = {0: {"status": "error", "snap": {}, "error": ("ValueError", "x", 3)}}
+    ranks[1] = running(p2p("recv", 0, 4))
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "raised" and d.culprits == [0]
+    assert "rank 1 waits in recv from rank 0 at line 4 that will never come" in d.verdict
+
+
+# ---- collectives torch issues inside a library call ------------------------------------
+
+LIB = "/venv/lib/python3.11/site-packages/torch/distributed/tensor/_api.py"
+SOURCE_LIB = (
+    "%%distributed\nw = model.weight\nfull = None\nx = 1\ny = 2\nz = 3\n"
+    "if nd.rank == 0:\n    full = w.full_tensor()\n"
+)
+
+
+def in_library(op="all_gather", func="full_tensor", line=8, file=LIB):
+    snap = running(None, stack=[frame(line), frame(350, func, file), frame(90, "wait", file)])
+    snap["snap"]["internal"] = {"op": op, "seq": 3, "sizes": [[4, 4]], "group": "default"}
+    snap["snap"]["stack"][0]["code"] = "full = w.full_tensor()"
+    return snap
+
+
+def test_a_library_collective_on_some_ranks_names_the_call_the_branch_and_the_fix():
+    d = diagnose({0: in_library(), 1: done()}, now=NOW, cell_file=CELL, source=SOURCE_LIB)
+    assert d.kind == "library" and d.culprits == [0] and d.line == 8
+    assert d.verdict.startswith(
+        "Rank 0 waits in all_gather, a collective torch issued inside full_tensor() "
+        "(torch/distributed/tensor/_api.py), called at line 8 (`full = w.full_tensor()`), while "
+        "rank 1 finished the cell without calling it. Line 8 is inside `if nd.rank == 0:` (line 7)"
+    )
+    assert "Call it on every rank (it gathers the shards)" in d.verdict
+    assert "No rank is in a collective" not in d.verdict
+    assert (
+        d.rows[0]["state"] == "in an internal collective"
+        and d.rows[0]["op"] == "all_gather (torch)"
+    )
+
+
+def test_a_state_dict_gathered_on_rank_0_only_gets_the_rank_0_idiom():
+    d = diagnose({0: in_library(func="get_model_state_dict"), 1: done()}, now=NOW, cell_file=CELL)
+    assert d.kind == "library" and d.culprits == [1]
+    assert "then save on rank 0 only" in d.verdict and "torch.save(sd, path)" in d.verdict
+
+
+def test_every_rank_in_the_same_library_collective_is_stalled_not_python():
+    d = diagnose({0: in_library(), 1: in_library()}, now=NOW, cell_file=CELL)
+    assert d.kind == "stalled" and "Every rank waits in all_gather" in d.verdict
+
+
+# ---- the GPU ----------------------------------------------------------------------------
+
+
+def on_gpu(nccl=None, line=5):
+    snap = running(None, stack=[frame(line)])
+    snap["snap"]["gpu_wait"] = {"nccl": nccl, "since": 995.0}
+    return snap
+
+
+def test_a_rank_in_a_long_kernel_is_busy_on_the_gpu_not_running_python():
+    ranks = {0: running(rec(1, "all_reduce", 6)), 1: on_gpu(line=5)}
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "gpu-busy" and d.culprits == [1]
+    assert d.verdict.startswith("Rank 1 is busy on the GPU (a kernel still running")
+    assert d.rows[1]["state"] == "busy on the GPU" and d.rows[1]["waiting"] == "5.0 s"
+
+
+def test_nccl_conditional_collective_reads_as_on_gloo():
+    # NCCL returns from the call at once: the divergence is in the ranks' history, and the
+    # host threads wait for the GPU behind the collective that never completes
+    b = dict(rec(1, "broadcast", 4), t1=991.0)
+    a = dict(rec(1, "all_reduce", 5), t1=991.0)
+    nccl = {"op": "broadcast", "seq": 1, "sizes": [[4]]}
+    ranks = {0: on_gpu(nccl, line=6), 1: on_gpu(dict(nccl, op="all_reduce"), line=6)}
+    ranks[0]["snap"]["history"] = [b]
+    ranks[1]["snap"]["history"] = [a]
+    d = diagnose(ranks, now=NOW, cell_file=CELL, source=SOURCE)
+    assert d.kind == "conditional" and d.culprits == [0] and d.line == 4
+    assert "Line 4 is inside `if dist.get_rank() == 0:` (line 3)" in d.verdict
+    assert d.rows[0]["state"] == "waiting on the GPU" and d.rows[0]["op"] == "broadcast (NCCL)"
+
+
+# ---- a verdict agrees with its table -------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+IN_A_COLLECTIVE = (
+    "in collective",
+    "in an internal",
+    "in backward",
+    "in send",
+    "in recv",
+    "in isend",
+    "in irecv",
+    "waiting on the GPU",
+)
+
+
+@st.composite
+def snapshots(draw):
+    n = draw(st.integers(2, 4))
+    ranks = {}
+    for r in range(n):
+        kind = draw(
+            st.sampled_from(
+                ["coll", "p2p", "pending", "internal", "backward", "python", "done", "gpu", "error"]
+            )
+        )
+        peer = draw(st.sampled_from([x for x in range(n) if x != r] + [None]))
+        to = peer if peer is not None else (r + 1) % n  # a send always names its peer
+        op = draw(st.sampled_from(["all_reduce", "broadcast", "all_gather"]))
+        seq = draw(st.integers(1, 3))
+        line = draw(st.integers(2, 9))
+        if kind == "coll":
+            ranks[r] = running(rec(seq, op, line))
+        elif kind == "p2p":
+            ranks[r] = running(
+                p2p(
+                    draw(st.sampled_from(["send", "recv"])), peer, line, tag=draw(st.integers(0, 1))
+                )
+            )
+        elif kind == "pending":
+            ranks[r] = running(None, stack=[frame(line)])
+            op = draw(st.sampled_from(["isend", "irecv"]))
+            ranks[r]["snap"]["p2p_pending"] = [p2p(op, to if op == "isend" else peer, line)]
+        elif kind == "internal":
+            ranks[r] = in_library(op=op, line=line)
+        elif kind == "backward":
+            ranks[r] = running(None, stack=[frame(line), frame(600, "backward", "/t/_tensor.py")])
+        elif kind == "python":
+            ranks[r] = running(None, stack=[frame(line)])
+        elif kind == "gpu":
+            ranks[r] = on_gpu(draw(st.sampled_from([None, {"op": op, "seq": seq}])), line)
+        elif kind == "error":
+            ranks[r] = {"status": "error", "snap": {}, "error": ("ValueError", "x", line)}
+        else:
+            ranks[r] = done([rec(s, op, line) for s in range(1, seq)])
+    return ranks
+
+
+@settings(max_examples=400, deadline=None)
+@given(snapshots(), st.sampled_from([None, SOURCE, SOURCE_P2P, SOURCE_LIB]))
+def test_a_verdict_never_contradicts_its_table(ranks, source):
+    d = diagnose(ranks, now=NOW, cell_file=CELL, source=source)
+    states = [row["state"] for row in d.rows]
+    if any(s.startswith(IN_A_COLLECTIVE) for s in states):
+        assert "No rank is in a collective" not in d.verdict, (states, d.verdict)
+        assert d.kind != "none", (states, d.verdict)
+    if "network" in d.verdict:  # blamed only when every rank is in the same kind of collective
+        kinds = {s.split(" #")[0].split(" (")[0] for s in states}
+        assert len(kinds) == 1 and kinds <= {
+            "in collective",
+            "in an internal collective",
+            "in backward",
+            "waiting on the GPU",
+        }, (states, d.verdict)
+    if any(s.startswith(("in send", "in recv", "in isend", "in irecv")) for s in states):
+        assert "network" not in d.verdict, (states, d.verdict)
+    for r in d.culprits:  # every rank a verdict blames is a rank of the table
+        assert r in ranks
+    assert d.verdict and d.rule

@@ -285,6 +285,48 @@ def test_interrupt_of_a_python_busy_cell_keeps_state(live, run):
     assert dict(out.result.result) == {0: 100, 1: 101}
 
 
+def test_an_interrupted_hung_cell_ends_with_one_paragraph_and_one_line(live, run):
+    """No frame of the tool in what the user sees: not the magics, the cluster, the watch,
+    threading, nor the tracker's wrapper in a rank's stack."""
+    from conftest import ctrl_c_after
+
+    with ctrl_c_after(2.0):
+        out = run("%%distributed\nt = torch.ones(1)\ndist.recv(t, src=1 - nd.rank)")
+    assert isinstance(out.error, KeyboardInterrupt)
+    assert (
+        "notebook_dist: released ranks 0, 1 from collectives that could not complete" in out.stdout
+    )
+    shown = out.output.strip().splitlines()
+    assert shown[-1] == (
+        "CellInterrupted: the cell was interrupted on ranks 0, 1; every rank kept its variables"
+    )
+    assert "Traceback" not in out.output and 'File "' not in out.output, out.output
+    stacks = run("%dist_stacks").stdout
+    assert (
+        "rank 0: in recv from rank 1\n  line 3, in <module>\n    dist.recv(t, src=1 - nd.rank)"
+        in stacks
+    )
+    for shown_text in (out.output, stacks):
+        assert "notebook_dist/" not in shown_text and "magics/" not in shown_text, shown_text
+    assert dict(
+        run("%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)").result.result
+    ) == {
+        0: 2.0,
+        1: 2.0,
+    }
+
+
+def test_a_rank_traceback_through_a_collective_shows_no_frame_of_the_tool(live, run):
+    out = run("%%distributed\nt = torch.ones(2)\ndist.broadcast(t, src=7)")
+    assert type(out.error).__name__ == "RankError"
+    rendered = "\n".join(out.error._render_traceback_())
+    assert 'File "Cell In[' in rendered and "line 3, in <module>" in rendered
+    assert "distributed_c10d.py" in rendered  # torch's own frames stay
+    assert "notebook_dist/" not in rendered, rendered
+    debug = run("%dist_debug --frame 1").stdout
+    assert "notebook_dist/" not in debug and "tracked" not in debug, debug
+
+
 def test_magic_help_is_available(ip):
     doc = ip.find_cell_magic("distributed").__doc__
     assert "--gather" in doc and "In [3]: %%distributed" in doc

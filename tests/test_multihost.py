@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import DDP_IN_SYNC, ctrl_c_after
+from conftest import DDP_IN_SYNC, ctrl_c_after, rank_table
 
 pytestmark = pytest.mark.slow
 
@@ -251,7 +251,7 @@ def test_two_hosts_meet_over_the_network(ssh_cluster, no_current, run):
     ), str(out.error)  # .11 or .12: rank 0's address
     out = run(f"%dist_init --profile {profile} --cluster-id {cluster_id} --network")
     assert out.error is None, out.output
-    hosts_shown = [ln.split()[1] for ln in out.stdout.strip().splitlines()[1:3]]
+    hosts_shown = [ln.split()[1] for ln in rank_table(out.stdout)[1:3]]
     assert sorted(hosts_shown) == ["node1", "node2"]
     out = run(
         "%%distributed\nimport os, socket\nt = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\n"
@@ -298,7 +298,7 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
     assert "add --network" in str(out.error) and "HMAC-signed" in str(out.error)
     out = run(line + " --network")
     assert out.error is None, out.output
-    rows = [ln.split() for ln in out.stdout.strip().splitlines()[1:4]]
+    rows = [ln.split() for ln in rank_table(out.stdout)[1:4]]
     assert [r[1] for r in rows] == ["node1", "node1", "node2"], out.stdout
     cluster = session.current()
     print(f"--launcher ssh: 3 ranks on 2 hosts started in {cluster.startup_s:.1f} s")

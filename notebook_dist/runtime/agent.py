@@ -17,32 +17,48 @@ import time
 from typing import Any
 
 from .state import STATE
-from .tracker import CELL_PREFIX, TRACKER
+from .tracker import CELL_PREFIX, TRACKER, is_tool_frame
 
 TICK_S = 0.1
 
 
-def main_stack(limit: int = 12) -> list[dict[str, Any]]:
-    """The main thread's Python stack, innermost last, from the first cell frame down."""
+def main_stack(limit: int = 16) -> list[dict[str, Any]]:
+    """The main thread's Python stack, innermost last, from the first cell frame down.
+
+    The tool's own frames (the tracker's wrapper) are left out. A deep stack keeps its
+    cell frames and the library call the cell made, then the innermost frames: the
+    middle becomes one placeholder frame (empty ``file``).
+    """
     frame = sys._current_frames().get(threading.main_thread().ident)
     frames = []
     while frame is not None:
         code = frame.f_code
-        frames.append((code.co_filename, frame.f_lineno, code.co_name))
+        if not is_tool_frame(code.co_filename):
+            frames.append((code.co_filename, frame.f_lineno, code.co_name))
         frame = frame.f_back
     frames.reverse()
     start = next((i for i, f in enumerate(frames) if f[0].startswith(CELL_PREFIX)), None)
-    if start is not None:
-        frames = frames[start:]
-    else:
-        frames = frames[-4:]
+    frames = frames[start:] if start is not None else frames[-4:]
     import linecache
 
     out = [
         {"file": f, "line": ln, "func": fn, "code": linecache.getline(f, ln).strip()}
-        for f, ln, fn in frames[-limit:]
+        for f, ln, fn in frames
     ]
-    return out
+    if len(out) <= limit:
+        return out
+    last_cell = (
+        max(i for i, f in enumerate(out) if f["file"].startswith(CELL_PREFIX))
+        if start is not None
+        else -1
+    )
+    head = out[: last_cell + 2]  # the cell's frames and the call it made
+    tail_n = max(limit - len(head), 4)
+    if len(head) + tail_n >= len(out):
+        return out
+    skipped = len(out) - len(head) - tail_n
+    gap = {"file": "", "line": 0, "func": f"... {skipped} frames ...", "code": ""}
+    return [*head, gap, *out[-tail_n:]]
 
 
 def _rss_bytes() -> int:
@@ -139,12 +155,40 @@ def _internal_if_stuck(now: float) -> dict[str, Any] | None:
     return in_flight_internal()
 
 
+_gpu_busy: dict[str, float | None] = {"since": None}
+
+
+def gpu_wait(now: float, nccl: dict[str, Any] | None) -> dict[str, Any] | None:
+    """On a CUDA rank: whether the GPU still has work queued on this rank's default stream
+    (cudaStreamQuery, from this thread), since when, and the NCCL collective torch has in
+    flight if any. A host thread stuck in ``.item()``, ``.cpu()`` or
+    ``torch.cuda.synchronize()`` waits for exactly that: a long kernel (busy), or a kernel
+    that waits for a peer in an NCCL collective."""
+    torch = sys.modules.get("torch")
+    if torch is None or not STATE.device.startswith("cuda") or not torch.cuda.is_initialized():
+        return None
+    try:
+        idle = torch.cuda.default_stream(torch.device(STATE.device)).query()
+    except Exception:  # a poisoned context answers with an error: the doctor says so elsewhere
+        return None
+    if idle and nccl is None:
+        _gpu_busy["since"] = None
+        return None
+    if _gpu_busy["since"] is None:
+        _gpu_busy["since"] = now
+    return {"nccl": nccl, "since": _gpu_busy["since"], "stream_idle": idle}
+
+
 def snapshot(with_stack: bool = True) -> dict[str, Any]:
     now = time.time()
     current = TRACKER.current
     wait_s = TRACKER.wait_s + (now - current["t0"] if current else 0.0)
     stack = main_stack() if with_stack else []
     internal = _internal_if_stuck(now) if with_stack and current is None else None
+    # on a GPU, what torch has in flight runs on the device: the host waits for the GPU
+    gpu = gpu_wait(now, internal) if with_stack and current is None else None
+    if gpu is not None:
+        internal = None
     return {
         "internal": internal,
         "rank": STATE.rank,
@@ -155,10 +199,14 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
         "collective": dict(current) if current else None,
         "history": [dict(r) for r in list(TRACKER.history)[-8:]],
         "collectives_done": TRACKER.count,
+        # posted isend/irecv not completed: what a rank waits for in req.wait()
+        "p2p_pending": TRACKER.pending_p2p() if current is None else [],
+        "p2p_done": TRACKER.p2p_count,
         "wait_s": wait_s,
         "stack": stack,
         "rss": _rss_bytes(),
         "gpu": _gpu_memory(),
+        "gpu_wait": gpu,
         "metrics": dict(STATE.metrics),
         "series": {
             k: [(float(x), float(y)) for x, y in list(v)] for k, v in list(STATE.series.items())

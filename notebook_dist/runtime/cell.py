@@ -56,13 +56,19 @@ def _register_source(filename: str, source: str) -> None:
 
 
 def format_exception(exc: BaseException, filename: str) -> str:
-    """The traceback from the first frame in the cell down, as Python prints it."""
+    """The traceback from the first frame in the cell down, as Python prints it, without
+    the tool's own frames (the tracker's wrapper around a collective)."""
+    from .tracker import is_tool_frame
+
     te = traceback.TracebackException.from_exception(exc)
     frames = list(te.stack)
     for i, fs in enumerate(frames):
         if fs.filename == filename:
-            te.stack = traceback.StackSummary.from_list(frames[i:])
+            frames = frames[i:]
             break
+    te.stack = traceback.StackSummary.from_list(
+        [fs for fs in frames if not is_tool_frame(fs.filename)]
+    )
     return "".join(te.format())
 
 
@@ -113,9 +119,10 @@ def run_cell(
         STATE.last_error = (exc, exc.__traceback__)
         result["status"] = "error"
         result["error"] = _error(exc, filename)
-        failed = TRACKER.history[-1] if TRACKER.history else None
+        failed = TRACKER.last
         if failed is not None and failed.get("failed"):
-            result["error"]["collective"] = f"{failed['op']} #{failed['seq']}"
+            seq = f" #{failed['seq']}" if "seq" in failed else ""
+            result["error"]["collective"] = f"{failed['op']}{seq}"
         result.pop("value", None)
         result["has_value"] = False
     finally:

@@ -52,10 +52,14 @@ def diff(
 
 
 def _frames(tb) -> list:
-    """Frames of a traceback from the first cell frame inward (innermost last)."""
+    """Frames of a traceback from the first cell frame inward (innermost last), without
+    the tool's own frames."""
+    from .tracker import is_tool_frame
+
     frames = []
     while tb is not None:
-        frames.append((tb.tb_frame, tb.tb_lineno))
+        if not is_tool_frame(tb.tb_frame.f_code.co_filename):
+            frames.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
     start = next(
         (i for i, (f, _) in enumerate(frames) if f.f_code.co_filename.startswith("Cell In[")), 0

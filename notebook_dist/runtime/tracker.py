@@ -2,45 +2,62 @@
 
 Wraps the public collectives of ``torch.distributed`` with a few attribute writes per
 call (no I/O, no locks): a per-group sequence number, the op, shapes and dtypes of the
-tensors, and the cell line that called it. Collectives issued from inside torch (DDP's
-gradient all_reduce, FSDP's gathers) are not seen here; the stack sampled by the agent
-shows where they came from (``loss.backward()`` at a cell line).
+tensors, and the cell line that called it. Point-to-point ops (``send``, ``recv``,
+``isend``, ``irecv``, ``batch_isend_irecv``) are tracked apart, with their peer and tag:
+they take no part in the collective order, and a posted ``isend``/``irecv`` stays
+"pending" until its work completes, so the doctor can see what a rank waits for in
+``req.wait()``. Collectives issued from inside torch (DDP's gradient all_reduce, FSDP's
+gathers) are not seen here; the agent reads them from the Flight Recorder.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections import deque
 from typing import Any
 
 CELL_PREFIX = "Cell In["
+#: frames from this folder are the tool's own: hidden from what the user sees
+RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
 
 COLLECTIVES = (
     "all_reduce",
     "broadcast",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather_object",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all",
     "all_to_all_single",
     "barrier",
     "monitored_barrier",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
     "reduce",
     "gather",
     "scatter",
     "broadcast_object_list",
     "gather_object",
     "scatter_object_list",
-    "batch_isend_irecv",
 )
+#: blocking point-to-point ops: the rank is inside them until the peer takes part
+P2P_BLOCKING = ("send", "recv", "send_object_list", "recv_object_list")
+#: posting point-to-point ops: they return a work at once; the wait comes later
+P2P_POSTING = ("isend", "irecv")
+P2P = (*P2P_BLOCKING, *P2P_POSTING, "batch_isend_irecv")
+#: the direction of each point-to-point op
+SENDS = ("send", "isend", "send_object_list")
+MAX_PENDING = 64
+
+
+def is_tool_frame(filename: str) -> bool:
+    """A frame of the rank runtime itself (the tracker's wrapper, the agent, the cell
+    runner): never shown in a traceback or a stack."""
+    return filename.startswith(RUNTIME_DIR)
 
 
 class Tracker:
@@ -50,17 +67,37 @@ class Tracker:
         self.seq: dict[str, int] = {}
         self.current: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=32)
+        #: posted isend/irecv not yet seen completed: (record, work)
+        self.pending: deque[tuple[dict[str, Any], Any]] = deque(maxlen=MAX_PENDING)
         self.depth = 0
+        #: the last collective or blocking point-to-point op that ran (or failed)
+        self.last: dict[str, Any] | None = None
         self.wait_s = 0.0  # time spent inside collectives since the cell started
         self.count = 0
+        self.p2p_count = 0
 
     def reset_cell(self) -> None:
         # numbered per cell: "collective #3" is the cell's third, on every rank alike,
         # even when an earlier cell was interrupted with the ranks at different counts
         self.seq.clear()
         self.history.clear()
+        self.pending.clear()
+        self.last = None
         self.wait_s = 0.0
         self.count = 0
+        self.p2p_count = 0
+
+    def pending_p2p(self) -> list[dict[str, Any]]:
+        """The posted point-to-point ops whose work has not completed (agent thread)."""
+        out = []
+        for rec, work in list(self.pending):
+            try:
+                completed = work is None or work.is_completed()
+            except Exception:  # a failed work counts as done: its wait raises
+                completed = True
+            if not completed:
+                out.append(dict(rec))
+        return out
 
 
 TRACKER = Tracker()
@@ -107,7 +144,54 @@ def cell_line() -> tuple[str, int] | None:
     return None
 
 
-def _wrap(op: str, fn):
+def _bound(fn, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name (peer, tag, group), as the op's signature names them."""
+    import inspect
+
+    try:
+        sig = _signatures.get(fn) or _signatures.setdefault(fn, inspect.signature(fn))
+        return dict(sig.bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+
+
+_signatures: dict[Any, Any] = {}
+
+
+def p2p_record(op: str, tensor: Any, peer: Any, group_peer: Any, group: Any, tag: Any) -> dict:
+    """A point-to-point op: its direction, peer (a global rank; None: any source) and tag."""
+    gname, granks = _group(group)
+    if peer is None and group_peer is not None:
+        peer = granks[group_peer] if granks and group_peer < len(granks) else group_peer
+    shapes, dtypes = _describe(tensor) if tensor is not None else ([], [])
+    return {
+        "kind": "p2p",
+        "op": op,
+        "direction": "send" if op in SENDS else "recv",
+        "peer": None if peer is None else int(peer),
+        "tag": int(tag or 0),
+        "group": gname,
+        "group_ranks": granks,
+        "shapes": shapes,
+        "dtypes": dtypes,
+        "where": None,
+        "t0": time.time(),
+    }
+
+
+def _p2p_from_call(op: str, fn, args: tuple, kwargs: dict) -> dict:
+    a = _bound(fn, args, kwargs)
+    if op in SENDS:
+        peer, group_peer = a.get("dst"), a.get("group_dst")
+    else:
+        peer, group_peer = a.get("src"), a.get("group_src")
+    tensor = a.get("tensor", a.get("object_list"))
+    if op.endswith("object_list"):
+        tensor = None
+    return p2p_record(op, tensor, peer, group_peer, a.get("group"), a.get("tag", 0))
+
+
+def _wrap_collective(op: str, fn):
     @functools.wraps(fn)
     def tracked(*args, **kwargs):
         t = TRACKER
@@ -130,33 +214,95 @@ def _wrap(op: str, fn):
             "where": cell_line(),
             "t0": time.time(),
         }
-        t.current = rec
-        t.depth = 1
-        try:
-            return fn(*args, **kwargs)
-        except BaseException:
-            rec["failed"] = True  # the kernel tells a release's consequence from a cause
-            raise
-        finally:
-            t.depth = 0
-            t.current = None
-            rec["t1"] = time.time()
-            t.wait_s += rec["t1"] - rec["t0"]
-            t.count += 1
-            t.history.append(rec)
+        return _run(t, rec, fn, args, kwargs, history=True)
 
     tracked._notebook_dist_original = fn
     return tracked
 
 
+def _wrap_p2p(op: str, fn):
+    @functools.wraps(fn)
+    def tracked(*args, **kwargs):
+        t = TRACKER
+        if t.depth:  # send_object_list -> send
+            return fn(*args, **kwargs)
+        if op == "batch_isend_irecv":
+            return _batch(t, fn, args, kwargs)
+        rec = _p2p_from_call(op, fn, args, kwargs)
+        rec["where"] = cell_line()
+        if op in P2P_POSTING:
+            t.depth = 1
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                t.depth = 0
+            t.p2p_count += 1
+            t.pending.append((rec, work))
+            return work
+        t.p2p_count += 1
+        return _run(t, rec, fn, args, kwargs, history=False)
+
+    tracked._notebook_dist_original = fn
+    return tracked
+
+
+def _batch(t: Tracker, fn, args: tuple, kwargs: dict):
+    ops = args[0] if args else kwargs.get("p2p_op_list", [])
+    where = cell_line()
+    recs = []
+    for p in ops or []:
+        name = getattr(getattr(p, "op", None), "__name__", "")
+        rec = p2p_record(
+            "isend" if name == "isend" else "irecv",
+            getattr(p, "tensor", None),
+            getattr(p, "peer", None),
+            getattr(p, "group_peer", None),
+            getattr(p, "group", None),
+            getattr(p, "tag", 0),
+        )
+        rec["where"], rec["batch"] = where, True
+        recs.append(rec)
+    t.depth = 1
+    try:
+        works = fn(*args, **kwargs)
+    finally:
+        t.depth = 0
+    t.p2p_count += len(recs)
+    # one work may stand for the whole batch (NCCL coalesces): then it guards every op
+    works = list(works or [])
+    for i, rec in enumerate(recs):
+        t.pending.append((rec, works[i] if i < len(works) else (works[-1] if works else None)))
+    return works
+
+
+def _run(t: Tracker, rec: dict, fn, args: tuple, kwargs: dict, history: bool):
+    t.current = rec
+    t.depth = 1
+    try:
+        return fn(*args, **kwargs)
+    except BaseException:
+        rec["failed"] = True  # the kernel tells a release's consequence from a cause
+        raise
+    finally:
+        t.depth = 0
+        t.current = None
+        t.last = rec
+        rec["t1"] = time.time()
+        t.wait_s += rec["t1"] - rec["t0"]
+        t.count += 1
+        if history:
+            t.history.append(rec)
+
+
 def install(dist_module) -> None:
-    """Wrap the collectives on ``torch.distributed`` and ``distributed_c10d`` (once)."""
+    """Wrap the collectives and point-to-point ops on ``torch.distributed`` and
+    ``distributed_c10d`` (once)."""
     c10d = dist_module.distributed_c10d
-    for op in COLLECTIVES:
+    for op in (*COLLECTIVES, *P2P):
         fn = getattr(c10d, op, None) or getattr(dist_module, op, None)
         if fn is None or hasattr(fn, "_notebook_dist_original"):
             continue
-        wrapped = _wrap(op, fn)
+        wrapped = (_wrap_p2p if op in P2P else _wrap_collective)(op, fn)
         for module in (dist_module, c10d):
             if getattr(module, op, None) is fn:
                 setattr(module, op, wrapped)

@@ -26,14 +26,15 @@ def widgets_available() -> bool:
     return True
 
 
-def make_dashboard(mode: str = "auto"):
-    """``auto``: widgets in a Jupyter kernel, text elsewhere; ``widget``, ``text`` or ``off``."""
+def make_dashboard(mode: str = "auto", quiet_s: float = 0.0):
+    """``auto``: widgets in a Jupyter kernel, text elsewhere; ``widget``, ``text`` or ``off``.
+    ``quiet_s``: a cell shorter than this with nothing to report leaves one line."""
     if mode == "off":
         return None
     if mode == "widget" or (mode == "auto" and widgets_available()):
         from .widget import WidgetDashboard
 
-        return WidgetDashboard()
+        return WidgetDashboard(quiet_s)
     from .text import TextDashboard
 
     return TextDashboard()

@@ -105,6 +105,14 @@ def render_html(st: DashboardState, live: bool = False) -> str:
     )
 
 
+def render_summary(st: DashboardState) -> str:
+    """The one line a quick, quiet cell keeps instead of the table."""
+    return (
+        "<div class='nd-dashboard nd-summary' style='color:#777;font-size:11px;line-height:1.3'>"
+        f"{html.escape(st.summary())}</div>"
+    )
+
+
 class DashboardRecord:
     """What a finished cell keeps: HTML for the notebook, text for everything else."""
 

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..doctor.facts import p2p_text
+
 STRAGGLER_RATIO = 1.2  # a rank whose step time is 20% over the median is flagged
 
 
@@ -44,8 +46,30 @@ class DashboardState:
     title: str = ""  # %dist_status: the versions line (notebook_dist.about)
     rows: dict[int, RankRow] = field(default_factory=dict)
 
+    def worth_a_table(self, quiet_s: float) -> bool:
+        """Whether the cell deserves the full table: it ran ``quiet_s`` or longer, a rank
+        reported metrics, raised, died or was released, or a hang was diagnosed. A quick,
+        quiet cell leaves one line (a tutorial must not become a wall of tables)."""
+        return (
+            self.wall_s >= quiet_s
+            or bool(self.verdict)
+            or any(
+                row.metrics or row.state in ("error", "dead", "released", "hung")
+                for row in self.rows.values()
+            )
+        )
+
+    def summary(self) -> str:
+        """The one line a quick, quiet cell leaves: '2 ranks · gloo · 0.04 s · done'."""
+        states = sorted({row.state for row in self.rows.values()})
+        return (
+            f"{len(self.ranks)} ranks · {self.backend} · {self.wall_s:.2f} s · {', '.join(states)}"
+        )
+
 
 def _state_of(view, hung: bool) -> str:
+    if view.released:  # freed from a collective that could not complete: not an error of its own
+        return "released"
     if view.status == "dead":
         return "dead"
     if view.status == "error":
@@ -61,6 +85,14 @@ def _state_of(view, hung: bool) -> str:
     return "running"
 
 
+def _verdict(watch) -> str | None:
+    """The final verdict once the cell ended; while it runs, the one shown for a hang."""
+    final = getattr(watch, "final", None)
+    if final is not None:
+        return final.verdict
+    return watch.diagnosis.verdict if watch.shown_verdict and watch.diagnosis else None
+
+
 def build(watch, chart_metric: str = "loss", now: float | None = None) -> DashboardState:
     """The dashboard state of a running (or finished) cell from its CellWatch."""
     now = time.time() if now is None else now
@@ -71,7 +103,7 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
         devices=[r.device for r in cluster.ranks],
         ranks=list(watch.ranks),
         wall_s=now - watch.started,
-        verdict=watch.diagnosis.verdict if watch.shown_verdict and watch.diagnosis else None,
+        verdict=_verdict(watch),
         finished=not watch.running(),
     )
     hung = bool(watch.shown_verdict) and watch.running()
@@ -84,7 +116,9 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
         row.elapsed_s = (snap.get("time", now) if v.status != "running" else now) - watch.started
         coll = snap.get("collective")
         if coll and v.status == "running":
-            row.collective = f"{coll['op']} #{coll['seq']}"
+            row.collective = (
+                p2p_text(coll) if coll.get("kind") == "p2p" else f"{coll['op']} #{coll['seq']}"
+            )
         row.last_output = watch.streamer.last_line.get(r, "")
         row.rss_bytes = snap.get("rss", 0) or 0
         if snap.get("gpu"):

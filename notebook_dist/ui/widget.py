@@ -11,28 +11,40 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from .html import DashboardRecord, render_html
+from .html import DashboardRecord, render_html, render_summary
 from .state import DashboardState
 from .text import render_text
 
 
 class WidgetDashboard:
-    """The live widget. ``update`` redraws from a state; no logic lives here."""
+    """The live widget. ``update`` redraws from a state; no logic lives here.
 
-    def __init__(self) -> None:
-        self.view = W.HTML()
+    It appears once the cell deserves a table (``DashboardState.worth_a_table``): a cell
+    that ends within ``quiet_s`` with nothing to report never opens a comm, and leaves one
+    line of summary. ``quiet_s=0`` shows the full table for every cell.
+    """
+
+    def __init__(self, quiet_s: float = 0.0) -> None:
+        self.quiet_s = quiet_s
+        self.view: W.HTML | None = None
         self._handle = None
 
     def update(self, st: DashboardState) -> None:
-        if self._handle is None:
+        if self.view is None:
+            if not st.worth_a_table(self.quiet_s):
+                return
             from IPython.display import display
 
+            self.view = W.HTML()
             self._handle = display(self.view, display_id=True)
         self.view.value = render_html(st, live=True)  # unchanged text sends nothing
 
     def close(self, st: DashboardState) -> None:
         """Replace the live widget by a static record of the final state, then close it."""
-        record = DashboardRecord(render_html(st), render_text(st))
+        if self.view is None and not st.worth_a_table(self.quiet_s):
+            record = DashboardRecord(render_summary(st), st.summary())
+        else:
+            record = DashboardRecord(render_html(st), render_text(st))
         if self._handle is None:
             from IPython.display import display
 
@@ -44,4 +56,6 @@ class WidgetDashboard:
 
     def widgets(self) -> list:
         """Every widget this dashboard made (for leak checks): the view, its Layout and Style."""
+        if self.view is None:
+            return []
         return [self.view, self.view.layout, self.view.style]

@@ -10,6 +10,7 @@ STATE_COLORS = {
     "error": "#e53935",
     "dead": "#212121",
     "hung": "#fb8c00",
+    "released": "#6d4c41",
     "idle": "#757575",
 }
 

@@ -1,0 +1,37 @@
+"""The hang and fault doctor: per-rank snapshots in, a table and a plain verdict out.
+
+A pure function (:func:`diagnose`) of what each rank reported: its state, the collective
+or point-to-point op it is in (sequence number per process group, op, peer and tag,
+shapes, dtypes, the cell line that issued it), the collectives it completed in this
+cell, what torch has in flight itself (Flight Recorder), and its Python stack. The
+verdict comes from the first of a list of small rules (:mod:`.rules`) that explains what
+the ranks show; the table rows are drawn from the same facts (:mod:`.facts`).
+"""
+
+from __future__ import annotations
+
+from .diagnosis import Diagnosis
+from .facts import Facts, rank_condition
+from .rules import RULES
+from .stacks import format_stacks
+
+__all__ = ["Diagnosis", "RULES", "diagnose", "format_stacks", "rank_condition"]
+
+
+def diagnose(
+    ranks: dict[int, dict],
+    *,
+    now: float,
+    cell_file: str | None = None,
+    source: str | None = None,
+    first_line: int = 2,
+) -> Diagnosis:
+    """``ranks``: rank -> {"status": running|done|error|dead, "snap": agent snapshot or {},
+    "exit": how a dead rank ended, "error": (ename, evalue, line) for a rank that raised}."""
+    facts = Facts(ranks, now, cell_file, source, first_line)
+    for rule in RULES:
+        verdict = rule.check(facts)
+        if verdict is not None:
+            verdict.rule = rule.code
+            return verdict
+    return Diagnosis("none", "Nothing is stuck.", [], facts.rows(), None, "ND000")

@@ -1,0 +1,370 @@
+"""What the rules read: the per-rank snapshots, sorted once into plain facts.
+
+A rank is in exactly one *wait*: a tracked collective, a point-to-point op (a blocking
+``send``/``recv``, or a posted ``isend``/``irecv`` it has not seen complete), a
+collective torch issued itself (the Flight Recorder's in-flight entry, or ``backward()``
+for DDP/FSDP), or none (running Python, or ended). The table rows come from the same
+facts as the verdicts, so a verdict cannot see a rank differently from its row.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+RANK_WORDS = ("rank", "is_main", "local_rank")
+# how a collective fails when a peer's connections close under it (a peer that died or was
+# released); torch-internal ones, such as DDP's gradient all_reduce, never pass the tracker
+TRANSPORT_ERROR = re.compile(
+    r"gloo|nccl|connection (closed|reset) by peer|broken pipe", re.IGNORECASE
+)
+CELL_PREFIX = "Cell In["
+
+
+@dataclass
+class Wait:
+    """What a running rank waits in."""
+
+    kind: str  # collective, p2p, internal, backward
+    op: str
+    record: dict[str, Any] = field(default_factory=dict)
+    # p2p: the direction, the peer (None: any source) and the tag of each op waited on
+    p2p: list[dict[str, Any]] = field(default_factory=list)
+
+
+def where_text(rec_where: Any, cell_file: str | None) -> str:
+    if not rec_where:
+        return "?"
+    filename, line = rec_where
+    return f"line {line}" if filename == cell_file else f"{filename}, line {line}"
+
+
+def line_of(rec_where: Any) -> int | None:
+    return rec_where[1] if rec_where else None
+
+
+def shape_text(shapes: list) -> str:
+    if not shapes:
+        return ""
+    return ", ".join(
+        str(tuple(s))
+        if not isinstance(s, list)
+        else "[" + ", ".join(str(tuple(x)) for x in s) + "]"
+        for s in shapes
+    )
+
+
+def plural(ranks: list[int], one: str = "rank", many: str = "ranks") -> str:
+    return f"{one if len(ranks) == 1 else many} {', '.join(map(str, sorted(ranks)))}"
+
+
+def verb(ranks: list[int], singular: str, plural_form: str) -> str:
+    return singular if len(ranks) == 1 else plural_form
+
+
+def _short_file(path: str) -> str:
+    """torch/distributed/tensor/_api.py rather than the whole site-packages path."""
+    for anchor in ("/site-packages/", "/dist-packages/"):
+        if anchor in path:
+            return path.split(anchor, 1)[1]
+    return path.rsplit("/", 1)[-1]
+
+
+def stack_line(stack: list[dict] | None, cell_file: str | None) -> tuple[str, int | None]:
+    """Where in the cell the main thread is: 'line 5 in crunch (called at line 8)'."""
+    if not stack:
+        return "?", None
+
+    def at(f):
+        return f"line {f['line']}" if f["file"] == cell_file else f"{f['file']}, line {f['line']}"
+
+    cell_frames = [f for f in stack if f["file"].startswith(CELL_PREFIX)]
+    inner = stack[-1]
+    if not cell_frames:
+        return f"{inner['func']} ({inner['file'].rsplit('/', 1)[-1]}:{inner['line']})", None
+    innermost, outermost = cell_frames[-1], cell_frames[0]
+    text = at(innermost)
+    if innermost["func"] != "<module>":
+        text += f" in {innermost['func']}"
+    if innermost is not outermost:
+        text += f" (called at {at(outermost)})"
+    if inner is not innermost:
+        text += f", now in {inner['func']} ({inner['file'].rsplit('/', 1)[-1]}:{inner['line']})"
+    return text, innermost["line"]
+
+
+def library_call(stack: list[dict] | None) -> dict[str, Any] | None:
+    """The library function the cell called, on the way to where the rank is now: the
+    first frame outside the cell after its innermost cell frame, with that cell line."""
+    if not stack:
+        return None
+    last_cell = max(
+        (i for i, f in enumerate(stack) if f["file"].startswith(CELL_PREFIX)), default=None
+    )
+    if last_cell is None or last_cell + 1 >= len(stack):
+        return None
+    called = stack[last_cell + 1]
+    cell = stack[last_cell]
+    return {
+        "func": called["func"],
+        "file": _short_file(called["file"]),
+        "line": cell["line"],
+        "code": cell.get("code", ""),
+    }
+
+
+def in_backward(stack: list[dict] | None) -> bool:
+    return bool(stack) and any(
+        f["func"] in ("backward", "_engine_run_backward", "run_backward") for f in stack
+    )
+
+
+def rank_condition(
+    source: str | None, line: int | None, first_line: int = 1
+) -> tuple[int, str] | None:
+    """If ``line`` sits inside an ``if`` whose test mentions the rank: (if line, test text)."""
+    if not source or line is None:
+        return None
+    lines = source.splitlines()
+    body = "\n".join(lines[first_line - 1 :])
+    try:
+        tree = ast.parse(body)
+    except SyntaxError:
+        return None
+    found = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = ast.unparse(node.test)
+            if not any(w in test for w in RANK_WORDS):
+                continue
+            start = node.lineno + first_line - 1
+            end = (node.end_lineno or node.lineno) + first_line - 1
+            if start < line <= end and (found is None or start > found[0]):
+                found = (start, test)
+    return found
+
+
+def records(snap: dict) -> list[dict]:
+    """The tracked collectives of a snapshot (completed and current), in order."""
+    recs = [r for r in (snap.get("history") or []) if r.get("kind") != "p2p"]
+    current = snap.get("collective")
+    if current and current.get("kind") != "p2p":
+        recs.append(current)
+    return recs
+
+
+def p2p_text(p: dict) -> str:
+    """'send to rank 1', 'recv from rank 0 (tag 3)', 'irecv from any rank'."""
+    peer = "any rank" if p.get("peer") is None else f"rank {p['peer']}"
+    prep = "to" if p["direction"] == "send" else "from"
+    tag = f" (tag {p['tag']})" if p.get("tag") else ""
+    return f"{p['op']} {prep} {peer}{tag}"
+
+
+def gpu_text(gpu: dict) -> str:
+    """'NCCL all_reduce #3 in flight' or 'a kernel still running'."""
+    nccl = gpu.get("nccl")
+    if nccl:
+        seq = f" #{nccl['seq']}" if nccl.get("seq") is not None else ""
+        return f"NCCL {nccl['op']}{seq} in flight"
+    return "a kernel still running"
+
+
+class Facts:
+    """The snapshots of one cell, sorted once, plus the cell it ran."""
+
+    def __init__(
+        self,
+        ranks: dict[int, dict],
+        now: float,
+        cell_file: str | None,
+        source: str | None,
+        first_line: int,
+    ):
+        self.info = ranks
+        self.now = now
+        self.cell_file = cell_file
+        self.source = source
+        self.first_line = first_line
+        self.status = {r: info["status"] for r, info in ranks.items()}
+        self.snaps = {r: ranks[r].get("snap") or {} for r in ranks}
+        self.dead = self._with("dead")
+        self.raised = self._with("error")
+        self.done = self._with("done")
+        self.running = self._with("running")
+        self.waits: dict[int, Wait] = {}
+        for r in self.running:
+            w = self._wait_of(self.snaps[r])
+            if w is not None:
+                self.waits[r] = w
+        #: running ranks in none of the waits above: busy in Python (or in a long op)
+        self.busy = [r for r in self.running if r not in self.waits]
+        self.members: dict[str, list[int]] = {"default": sorted(ranks)}
+        for r in ranks:
+            for rec in records(self.snaps[r]):
+                if rec["group"] != "default" and rec.get("group_ranks"):
+                    self.members[rec["group"]] = sorted(rec["group_ranks"])
+
+    def _with(self, status: str) -> list[int]:
+        return sorted(r for r, s in self.status.items() if s == status)
+
+    @staticmethod
+    def _wait_of(snap: dict) -> Wait | None:
+        coll = snap.get("collective")
+        if coll and coll.get("kind") == "p2p":
+            return Wait("p2p", coll["op"], coll, [coll])
+        if coll:
+            return Wait("collective", coll["op"], coll)
+        pending = snap.get("p2p_pending") or []
+        if pending:
+            return Wait("p2p", pending[0]["op"], pending[0], list(pending))
+        internal = snap.get("internal") or {}
+        if in_backward(snap.get("stack")):  # DDP's gradient buckets, FSDP's reduce-scatters
+            return Wait("backward", internal.get("op", "all_reduce"), internal)
+        if internal:
+            return Wait("internal", internal["op"], internal)
+        gpu = snap.get("gpu_wait")
+        if gpu:  # the host thread waits for the GPU: a long kernel, or an NCCL collective
+            return Wait("gpu", (gpu.get("nccl") or {}).get("op", "kernel"), gpu)
+        return None
+
+    # ---- helpers the rules share -------------------------------------------------
+
+    def gpu_busy(self) -> list[int]:
+        """Ranks whose host thread waits for a kernel that is no collective (a long one)."""
+        return [r for r in self.in_kind("gpu") if not self.waits[r].record.get("nccl")]
+
+    def in_kind(self, *kinds: str) -> list[int]:
+        return sorted(r for r, w in self.waits.items() if w.kind in kinds)
+
+    def waiting_phrase(self, ranks: list[int] | None = None) -> str:
+        """'ranks 0, 2 wait in all_reduce #2 at line 6; rank 1 waits in recv from rank 0 at line 4'."""
+        ranks = sorted(self.waits) if ranks is None else ranks
+        by_call: dict[str, list[int]] = {}
+        for r in ranks:
+            by_call.setdefault(self.wait_text(r), []).append(r)
+        return "; ".join(
+            f"{plural(rs)} {verb(rs, 'waits', 'wait')} in {what}" for what, rs in by_call.items()
+        )
+
+    def wait_text(self, r: int) -> str:
+        """What rank r waits in, and where: 'all_reduce #2 at line 6'."""
+        w = self.waits[r]
+        rec = w.record
+        if w.kind == "collective":
+            return f"{rec['op']} #{rec['seq']} at {where_text(rec.get('where'), self.cell_file)}"
+        if w.kind == "p2p":
+            ops = ", ".join(p2p_text(p) for p in w.p2p[:3])
+            return f"{ops} at {self.p2p_where(r)}"
+        at = self.stack_at(r)
+        if w.kind == "internal":
+            call = library_call(self.snaps[r].get("stack"))
+            inside = f" inside {call['func']}()" if call else ""
+            return f"{rec['op']} (issued by torch{inside}) at {at}"
+        if w.kind == "gpu":
+            return f"the GPU ({gpu_text(rec)}) at {at}"
+        return f"the gradient all_reduce inside backward() at {at}"
+
+    def p2p_where(self, r: int) -> str:
+        """Where a rank waits on point-to-point ops: the blocking call's line, or for posted
+        ops the line the main thread waits at (``req.wait()``) and where they were posted."""
+        w = self.waits[r]
+        rec = w.record
+        if rec is self.snaps[r].get("collective"):
+            return where_text(rec.get("where"), self.cell_file)
+        posted = where_text(rec.get("where"), self.cell_file)
+        now, _ = stack_line(self.snaps[r].get("stack"), self.cell_file)
+        return f"{now} (posted at {posted})" if now not in ("?", posted) else posted
+
+    def stack_at(self, r: int) -> str:
+        return stack_line(self.snaps[r].get("stack"), self.cell_file)[0]
+
+    def condition(self, line: int | None) -> tuple[int, str] | None:
+        return rank_condition(self.source, line, self.first_line)
+
+    def wait_line(self, r: int) -> int | None:
+        """The cell line of what rank r waits in."""
+        w = self.waits.get(r)
+        if w is None:
+            return stack_line(self.snaps[r].get("stack"), self.cell_file)[1]
+        if w.kind in ("collective", "p2p") and w.record.get("where"):
+            return line_of(w.record["where"])
+        return stack_line(self.snaps[r].get("stack"), self.cell_file)[1]
+
+    def elsewhere(self, r: int) -> str:
+        """Where a rank is that is not where another waits for it."""
+        s = self.status[r]
+        if s == "done":
+            return "finished the cell"
+        if s == "error":
+            ename, _, line = self.info[r].get("error", ("Error", "", None))
+            return f"raised {ename}" + (f" at line {line}" if line else "")
+        if s == "dead":
+            return str(self.info[r].get("exit", "died"))
+        if r in self.waits:
+            return f"waits in {self.wait_text(r)}"
+        return f"is busy in Python at {self.stack_at(r)}"
+
+    # ---- the table ----------------------------------------------------------------
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for r in sorted(self.info):
+            info = self.info[r]
+            status = self.status[r]
+            state, op, shapes, where, waiting = "", "", "", "", ""
+            if status == "dead":
+                state = f"dead ({info.get('exit', '?')})"
+            elif status == "error":
+                ename, _, line = info.get("error", ("Error", "", None))
+                state, where = f"raised {ename}", (f"line {line}" if line else "")
+            elif status == "done":
+                state = "finished the cell"
+            elif r in self.waits:
+                w = self.waits[r]
+                rec = w.record
+                if w.kind == "collective":
+                    state = f"in collective #{rec['seq']}" + (
+                        "" if rec["group"] == "default" else f" ({rec['group']})"
+                    )
+                    op, shapes = rec["op"], shape_text(rec["shapes"])
+                    where = where_text(rec.get("where"), self.cell_file)
+                    waiting = f"{max(0.0, self.now - rec['t0']):.1f} s"
+                elif w.kind == "p2p":
+                    state = "in " + p2p_text(rec)
+                    if len(w.p2p) > 1:
+                        state += f" (+{len(w.p2p) - 1} more)"
+                    op, shapes = rec["op"], shape_text(rec.get("shapes") or [])
+                    where = self.p2p_where(r)
+                    waiting = f"{max(0.0, self.now - rec['t0']):.1f} s"
+                elif w.kind in ("internal", "backward"):
+                    state = (
+                        "in an internal collective"
+                        if w.kind == "internal"
+                        else "in backward (DDP/FSDP collectives)"
+                    )
+                    op = f"{rec['op']} (torch)" if rec.get("op") else ""
+                    shapes = ", ".join(str(tuple(x)) for x in rec.get("sizes") or [])
+                    where = self.stack_at(r)
+                else:  # gpu
+                    nccl = rec.get("nccl")
+                    state = "waiting on the GPU" if nccl else "busy on the GPU"
+                    op = f"{nccl['op']} (NCCL)" if nccl else "kernel"
+                    shapes = ", ".join(str(tuple(x)) for x in (nccl or {}).get("sizes") or [])
+                    where = self.stack_at(r)
+                    waiting = f"{max(0.0, self.now - rec.get('since', self.now)):.1f} s"
+            else:
+                state, where = "running Python", self.stack_at(r)
+            rows.append(
+                {
+                    "rank": r,
+                    "state": state,
+                    "op": op,
+                    "shapes": shapes,
+                    "where": where,
+                    "waiting": waiting,
+                }
+            )
+        return rows

@@ -1,0 +1,147 @@
+"""Collectives the tracker saw: the first point where the ranks' sequences diverge
+(a rank-conditional branch, another op, other shapes or dtypes, a missing call)."""
+
+from __future__ import annotations
+
+from ..facts import (
+    line_of,
+    plural,
+    records,
+    shape_text,
+    where_text,
+)
+from .base import Diagnosis, Facts, cap, make, registrar
+
+RULES: list = []
+rule = registrar(RULES)
+
+
+def _key(rec: dict, by_line: bool) -> tuple:
+    return (rec["op"], line_of(rec.get("where")) if by_line else None)
+
+
+def first_divergence(f: Facts):
+    """The earliest (group, seq) at which the ranks' tracked collectives disagree:
+    (group, seq, kind, present records).
+
+    A rank lacking a record only counts once it has finished the cell: a rank still
+    running may simply not have got there yet (a "busy" rank). Completed calls of the same
+    op from different lines paired up at run time; they count as the divergence only when
+    the ranks end up out of step later (a collective some ranks never reach).
+    """
+    best = None
+    for group, group_ranks in f.members.items():
+        by_rank = {
+            r: {rec["seq"]: rec for rec in records(f.snaps[r]) if rec["group"] == group}
+            for r in group_ranks
+        }
+        shifted = None  # the first completed seq whose calls came from different lines
+        for seq in sorted({s for recs in by_rank.values() for s in recs}):
+            present = {r: recs[seq] for r, recs in by_rank.items() if seq in recs}
+            completed = all("t1" in rec for rec in present.values())
+            keys = {_key(rec, False) for rec in present.values()}
+            lines = {_key(rec, True) for rec in present.values()}
+            shapes = {repr(rec["shapes"]) for rec in present.values()}
+            dtypes = {repr(rec["dtypes"]) for rec in present.values()}
+            oldest = {r: min(recs) if recs else None for r, recs in by_rank.items()}
+            lacking = [
+                r
+                for r, recs in by_rank.items()
+                if seq not in recs and not (oldest[r] is not None and oldest[r] > seq)
+            ]
+            if lacking and any(f.status.get(r) != "done" for r in lacking) and len(keys) <= 1:
+                break  # someone has not got here yet: no verdict from this group
+            if len(keys) == 1 and len(lines) > 1 and completed and not lacking:
+                shifted = shifted or (seq, present)
+                continue
+            if len(keys) > 1 or len(shapes) > 1 or len(dtypes) > 1 or lacking:
+                kind = (
+                    "mismatch"
+                    if len(keys) > 1
+                    else "shapes"
+                    if len(shapes) > 1
+                    else "dtypes"
+                    if len(dtypes) > 1
+                    else "missing"
+                )
+                if kind == "missing" and shifted is not None:
+                    seq, present, kind = shifted[0], shifted[1], "mismatch"
+                if best is None or seq < best[1]:
+                    best = (group, seq, kind, present)
+                break
+    return best
+
+
+@rule("ND301", "the ranks' collectives diverge")
+def divergence(f: Facts) -> Diagnosis | None:
+    div = first_divergence(f)
+    if div is None:
+        return None
+    group, seq, kind, present = div
+    gname = "" if group == "default" else f" in process group {group}"
+    if kind in ("shapes", "dtypes"):
+        parts = "; ".join(
+            f"rank {r}: {rec['op']} of {shape_text(rec['shapes'])} {'/'.join(rec['dtypes'])}"
+            for r, rec in sorted(present.items())
+        )
+        rec0 = next(iter(present.values()))
+        noun = "shape" if kind == "shapes" else "dtype"
+        return make(
+            f,
+            kind,
+            f"Collective #{seq}{gname} at {where_text(rec0.get('where'), f.cell_file)} gets different "
+            f"{kind} on different ranks ({parts}). Every rank must pass tensors of the same {noun}.",
+            present,
+            line_of(rec0.get("where")),
+        )
+    if kind == "mismatch":
+        calls = "; ".join(
+            f"rank {r} called {rec['op']} at {where_text(rec.get('where'), f.cell_file)}"
+            for r, rec in sorted(present.items())
+        )
+        base = f"The ranks disagree at collective #{seq}{gname}: {calls}."
+        missing = []
+    else:
+        missing = [r for r in f.members[group] if r not in present]
+        rec = next(iter(present.values()))
+        never = (
+            "finished the cell"
+            if all(f.status.get(r) == "done" for r in missing)
+            else "went on without it"
+        )
+        base = (
+            f"{cap(plural(list(present)))} called {rec['op']} #{seq}{gname} at "
+            f"{where_text(rec.get('where'), f.cell_file)}, but {plural(missing)} {never} without calling it."
+        )
+    for r, rec in sorted(present.items()):
+        cond = f.condition(line_of(rec.get("where")))
+        if cond:
+            line = line_of(rec.get("where"))
+            return make(
+                f,
+                "conditional",
+                f"{base} Line {line} is inside `if {cond[1]}:` (line {cond[0]}), so only some ranks "
+                "reach it: every rank must call the same collectives in the same order. Move the "
+                "collective out of the branch, or make every rank call it.",
+                list(present) if kind == "missing" else [r],
+                line,
+            )
+    if kind == "missing" and any(
+        f.waits.get(r) and f.waits[r].kind == "backward" for r in f.running
+    ):
+        return None  # uneven data: the uneven rule explains it
+    if kind == "mismatch":
+        return make(
+            f,
+            "mismatch",
+            base + " Every rank must issue the same collectives in the same order.",
+            present,
+            line_of(next(iter(present.values())).get("where")),
+        )
+    return make(
+        f,
+        "finished",
+        base + " Look for a loop or branch whose length depends on the rank or its data.",
+        missing,
+        line_of(next(iter(present.values())).get("where")),
+    )

@@ -111,12 +111,18 @@ def plan_cluster(
     hosts: list[str] | None = None,
     master_addr: str = "127.0.0.1",
     master_port: int = 0,
+    run_id: str | None = None,
 ) -> ClusterPlan:
     """Decide world size, backend and one device per rank.
 
     ``gpu_ids`` are the GPUs visible to the notebook (default: :func:`visible_gpus`).
+    ``run_id`` is the ranks' TORCHELASTIC_RUN_ID (default: a fresh one, as torchrun's).
     Raises :class:`PreflightError` with a sentence to act on when the request cannot work.
     """
+    if run_id is None:
+        import uuid
+
+        run_id = f"notebook_dist-{uuid.uuid4().hex[:12]}"
     backend = (backend or "auto").lower()
     if backend not in BACKENDS:
         raise PreflightError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
@@ -197,7 +203,14 @@ def plan_cluster(
             "MASTER_PORT": str(master_port),
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "0",
+            # what frameworks read to know they run under torchrun and start no processes
+            # of their own (dist.is_torchelastic_launched(), Lightning's TorchElasticEnvironment)
+            "TORCHELASTIC_RUN_ID": run_id,
         }
+        if (
+            device == "cpu"
+        ):  # CPU ranks: Accelerate and Transformers use them as `accelerate launch --cpu`
+            env["ACCELERATE_USE_CPU"] = "true"
         if cvd is not None:
             env["CUDA_VISIBLE_DEVICES"] = cvd
         ranks.append(RankPlan(rank=rank, local_rank=local_rank, device=device, env=env))

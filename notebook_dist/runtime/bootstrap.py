@@ -45,12 +45,37 @@ def _guarded_init_process_group(*args: Any, **kwargs: Any):
         print(
             f"notebook_dist: the default process group is already initialised "
             f"(backend {dist.get_backend()}, rank {dist.get_rank()} of {dist.get_world_size()}); "
-            "this init_process_group() call is skipped. Call dist.destroy_process_group() "
-            "first if you really want a new one.",
+            "this init_process_group() call is skipped. %dist_init with other arguments (or "
+            "%dist_restart) gives a fresh group.",
             file=sys.stderr,
         )
         return None
     return _original_init(*args, **kwargs)
+
+
+def _guarded_destroy_process_group(group: Any = None) -> None:
+    """``destroy_process_group`` that leaves the cluster's default group in place.
+
+    Frameworks end their runs with it (Accelerate's ``end_training()``, the Transformers
+    Trainer's ``end()``); under torchrun the process exits next, here the next cell needs
+    the group. Other groups are destroyed as asked.
+    """
+    import torch.distributed as dist
+
+    if group is None or group is dist.GroupMember.WORLD:
+        if not STATE.extras.get("destroy_said"):
+            STATE.extras["destroy_said"] = True
+            print(
+                "notebook_dist: destroy_process_group() of the default group is skipped: it "
+                "belongs to the cluster, and the next cell needs it (%dist_restart gives fresh "
+                "ranks). Said once per rank.",
+                file=sys.stderr,
+            )
+        return None
+    return _originals["destroy"](group)
+
+
+_originals: dict[str, Any] = {}
 
 
 def _install_init_guard(dist_module) -> None:
@@ -58,8 +83,10 @@ def _install_init_guard(dist_module) -> None:
     c10d = dist_module.distributed_c10d
     if _original_init is None:
         _original_init = c10d.init_process_group
-    dist_module.init_process_group = _guarded_init_process_group
-    c10d.init_process_group = _guarded_init_process_group
+        _originals["destroy"] = c10d.destroy_process_group
+    for module in (dist_module, c10d):
+        module.init_process_group = _guarded_init_process_group
+        module.destroy_process_group = _guarded_destroy_process_group
 
 
 def original_init_process_group():
@@ -69,6 +96,27 @@ def original_init_process_group():
 
         return dist.init_process_group
     return _original_init
+
+
+def destroy_default_group() -> None:
+    """torch's own ``destroy_process_group`` of the default group (ours leaves it alone)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        _originals.get("destroy", dist.destroy_process_group)()
+
+
+def present_as_script() -> None:
+    """Frameworks decide whether they run in an interactive prompt from ``sys.ps1``
+    (Lightning refuses ``strategy="ddp"`` there, when it is imported), and a rank is not
+    one: its cells come from the notebook, like a torchrun worker's script. IPython sets
+    ``sys.ps1`` once and reads it nowhere else (display, tracebacks and input work
+    without it)."""
+    if hasattr(sys, "ps1"):
+        STATE.extras["ps1"] = sys.ps1
+        del sys.ps1
+    if hasattr(sys, "ps2"):
+        del sys.ps2
 
 
 def bootstrap(
@@ -107,11 +155,11 @@ def bootstrap(
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
     _install_init_guard(dist)
+    present_as_script()
     from . import recover, tracker
 
     tracker.install(dist)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_default_group()
     recover.remember_preexisting_sockets()
     init_default_group(backend, rank, world_size, timeout_s, device)
 
@@ -311,6 +359,6 @@ def detach() -> None:
         agent.stopped.set()
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_available():
+        destroy_default_group()
     STATE.bootstrapped = False

@@ -94,13 +94,11 @@ def abort_collectives() -> int:
 
 def reinit(master_port: int) -> dict:
     """Destroy the (broken) default group and make a fresh one on ``master_port``."""
-    import torch.distributed as dist
 
     from . import bootstrap
 
     t0 = time.perf_counter()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    bootstrap.destroy_default_group()
     os.environ["MASTER_PORT"] = str(master_port)
     remember_preexisting_sockets()
     bootstrap.init_default_group(

@@ -98,3 +98,11 @@ def uneven_ddp(extra_batches: int = 3) -> None:
     batches = 5 + (extra_batches if dist.get_rank() == 0 else 0)
     for _ in range(batches):
         model(torch.randn(8, 4)).sum().backward()
+
+
+def kill(rank: int = 1, sig: int = signal.SIGKILL) -> None:
+    """If this is ``rank``, its process is killed by ``sig`` now: a crashed node, an
+    out-of-memory kill. The other ranks go on until they wait for it."""
+    _, dist = _dist()
+    if dist.get_rank() == rank:
+        os.kill(os.getpid(), sig)

@@ -34,6 +34,29 @@ def _texts(cell) -> str:
     return "\n".join(out)
 
 
+# what a warning looks like in a cell's output: a warning class (UserWarning, FutureWarning,
+# ...), Python's "file.py:12: message" format, torch's C++ "[W... file.cpp:12] Warning:"
+# and its logging "W1201 00:25:40.967000 ..." lines
+_WARNING = re.compile(
+    r"\b\w*Warning\b|\.py:\d+: |\] Warning: |(^|\]:?)W\d{4} [\d:.]+ ", re.MULTILINE
+)
+
+
+def _warnings(cells) -> list[str]:
+    """The lines of executed cells' output that are warnings (a tutorial that prints one is
+    teaching an API that is on its way out, or hiding a problem)."""
+    found = []
+    for cell in cells:
+        for o in cell.get("outputs", []):
+            if o["output_type"] != "stream":
+                continue
+            for line in o["text"].splitlines():
+                line = re.sub(r"^\[rank \d+\] ", "", line)
+                if _WARNING.search(line):
+                    found.append(line)
+    return found
+
+
 def _errors(cell) -> list[tuple[str, str]]:
     return [
         (o["ename"], o["evalue"]) for o in cell.get("outputs", []) if o["output_type"] == "error"
@@ -60,6 +83,7 @@ def run_notebook(tmp_path_factory):
             assert bool(errs) == tagged, (
                 f"cell {cell.id}: errors {errs}, tagged {tagged}:\n{cell.source}"
             )
+        assert _warnings(nb.cells) == [], f"{name} prints warnings"
         return nb
 
     return _run
@@ -160,3 +184,68 @@ def test_07_beyond(run_notebook):
     assert "'LOCAL_WORLD_SIZE': '2'" in text
     assert "wrote train.py: 4 distributed cells" in text and "if dist.get_rank() in (0,):" in text
     assert "the torchrun script trained the same model: True" in text
+
+
+def test_the_warning_check_sees_each_kind_of_warning():
+    said = (
+        "[rank 0] /x/dataloader.py:759: UserWarning: 'pin_memory' argument is set\n",
+        "[rank 1] /x/slurm.py:204: The `srun` command is available on your system\n",
+        "[rank 0] [rank0]:[W1201 00:28:14.378977906 reducer.cpp:1529] Warning: find_unused\n",
+        "W1201 00:25:40.967000 1203 torch/distributed/device_mesh.py:396] It seems like\n",
+        "[rank 0] [rank0]:W1201 00:26:24.755000 1763 torch/x.py:390] While redistributing\n",
+        "[rank 0] loss 0.5, step 3\nnotebook_dist: cluster stopped.\n",
+    )
+    cells = [{"outputs": [{"output_type": "stream", "text": text}]} for text in said]
+    assert len(_warnings(cells)) == 5 and _warnings(cells[-1:]) == []
+
+
+def test_08_tensor_parallel(run_notebook):
+    nb = run_notebook("08_tensor_parallel")
+    layout = _texts(_cell(nb, "%%distributed --gather held_first held_second"))
+    assert "'0.weight': '(16, 8) held as (8, 8), (Shard(dim=0),)'" in layout
+    assert "'2.weight': '(8, 16) held as (8, 8), (Shard(dim=1),)'" in layout
+    first = _texts(_cell(nb, "from notebook_dist.viz import owners_picture"))
+    assert "\n".join(["  " + "0" * 8] * 8 + ["  " + "1" * 8] * 8) in first  # rows split
+    second = _texts(_cell(nb, 'owners_picture(\n    "layer 2'))
+    assert "\n".join(["  " + "0" * 8 + "1" * 8] * 8) in second  # columns split
+    assert "<svg" in first and "class='nd-owners'" in first
+    assert "(True, 'AsyncCollectiveTensor')" in _texts(_cell(nb, "%%distributed\nx = torch.randn"))
+    assert "{'all_reduce': 2}" in _texts(
+        _cell(nb, "%%distributed\nfrom torch.distributed.tensor.debug")
+    )
+    grid = _texts(_cell(nb, 'owners_picture("layer 0 weight on a 2 x 2 mesh'))
+    for owner in "0123":  # four ranks, each holding a quarter of the rows
+        assert grid.count("  " + owner * 8 + "\n") + grid.endswith("  " + owner * 8) == 4, grid
+    step = _texts(_cell(nb, "%%distributed\nx = torch.randn(8, 8"))
+    assert step.count("] True") == 4  # every shard matches the unsharded model's step
+
+
+def test_09_fault_tolerance(run_notebook):
+    nb = run_notebook("09_fault_tolerance")
+    crash = _errors(_cell(nb, "%%distributed\nmodel, opt = make_model()\nlosses = []\ntrain(1, 40"))
+    assert crash[0][0] == "ClusterError"
+    assert crash[0][1].startswith("rank 1 was killed by SIGKILL"), crash
+    assert "Run %dist_restart" in crash[0][1]
+    assert "['step-0010', 'step-0020']" in _texts(_cell(nb, "import os"))
+    assert "(25, (25, " in _texts(_cell(nb, "%dist_pull losses --ranks 0\nfirst_run"))
+    resumed = _texts(
+        _cell(nb, "%%distributed\nmodel, opt = make_model()\nlosses = []\nstart = resume()")
+    )
+    assert "[rank 0] 20" in resumed and "40/40" in resumed
+    assert "((21, " in _texts(_cell(nb, "%dist_pull losses --ranks 0\nsecond_run"))
+    assert "class='nd-chart'" in _texts(_cell(nb, "from notebook_dist.viz import line_chart"))
+    assert _texts(_cell(nb, "redone = dict")).startswith("0.0")  # steps 21-25 redone exactly
+
+
+def test_10_frameworks(run_notebook):
+    nb = run_notebook("10_frameworks")
+    assert "('TorchElasticEnvironment', 2, 8, True)" in _texts(
+        _cell(nb, "%%distributed\nimport warnings\n\nimport lightning")
+    )
+    assert "('DistributedType.MULTI_CPU', 2, True)" in _texts(
+        _cell(nb, "%%distributed\nfrom accelerate")
+    )
+    assert "('ParallelMode.DISTRIBUTED', 2, 16, True)" in _texts(
+        _cell(nb, "%%distributed\nimport tempfile")
+    )
+    assert "all 2 ranks agree" in _texts(_cell(nb, "%dist_compare module.net"))

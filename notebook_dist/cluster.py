@@ -41,6 +41,11 @@ from .values import RankValues, pack_named, shm_dir_for, unpack
 from .watch import CellWatch
 
 log = logging.getLogger("notebook_dist")
+# ipyparallel logs through this logger (an engine's whole start-up log when it exits
+# badly, at WARNING): without a handler of its own, Python's last resort would print it
+# under the user's cell. The doctor says what a dead rank means; logging.basicConfig (or a
+# handler on "notebook_dist") shows these records to whoever wants them.
+log.addHandler(logging.NullHandler())
 
 
 @dataclass

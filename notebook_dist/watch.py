@@ -35,6 +35,7 @@ class RankView:
     released: bool = False
     #: its snapshot when it was released (what it waited in): the final verdict reads it
     before_release: dict | None = None
+    dead_at: float | None = None  # when the kernel found its process gone
     fingerprint: tuple = ()
 
 
@@ -102,6 +103,7 @@ class CellWatch:
             if v.status == "running":
                 if r in dead:
                     v.status, v.exit = "dead", dead[r]
+                    v.dead_at = time.time()
                 elif fut.done():
                     try:
                         v.result = unpack(fut.result())
@@ -159,6 +161,7 @@ class CellWatch:
                 continue
             if v.status == "dead":
                 info["exit"] = v.exit
+                info["found_dead"] = v.dead_at
                 info.update(self.cluster.fault_report(r))
             if v.status == "error" and v.result:
                 e = v.result["error"]

@@ -24,7 +24,9 @@ def dead(f: Facts) -> Diagnosis | None:
                 else f" at {info['file']}, line {info['line']}"
             )
         elif f.snaps[r].get("stack"):  # SIGKILL leaves no report: where its agent last saw it
-            text += f" (last seen at {f.stack_at(r)})"
+            found = info.get("found_dead") or f.now
+            age = max(0.0, found - f.snaps[r].get("time", found))
+            text += f" (last seen at {f.stack_at(r)}, {age:.1f} s before it was found dead)"
         return text
 
     how = "; ".join(f"rank {r} {f.info[r].get('exit', 'died')}{at(r)}" for r in f.dead)

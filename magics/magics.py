@@ -253,6 +253,8 @@ class DistMagics(Magics):
 
         rows = cluster.status()
         columns = ("rank", "host", "pid", "device", "backend", "state", "process_group")
+        if any(row["gpu"] for row in rows):  # GPU ranks: the GPU and its CUDA memory
+            columns += ("gpu",)
         title = versions_line(cluster)
         text = title + "\n" + cluster.table(rows, columns)
         from notebook_dist.ui import widgets_available

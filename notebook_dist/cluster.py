@@ -711,10 +711,21 @@ class DistCluster:
         return launchers[rank] if rank < len(launchers) else None
 
     def rebuild_process_group(self) -> float:
-        """A fresh default process group on every rank (after a release); returns seconds."""
+        """A fresh default process group on every rank (after a release); returns seconds.
+
+        Raises :class:`ClusterError` naming the ranks whose CUDA context cannot be used any
+        more (only fresh engines can have their GPU again)."""
         t0 = time.perf_counter()
         port = self._rendezvous_port()
-        self.apply(rt_recover.reinit, port, timeout=60)
+        done = self.apply(rt_recover.reinit, port, timeout=60)
+        broken = {r: info["cuda_unusable"] for r, info in done.items() if info.get("cuda_unusable")}
+        if broken:
+            said = "; ".join(f"rank {r}: {why}" for r, why in sorted(broken.items()))
+            raise ClusterError(
+                f"the GPU cannot be used any more on {'rank' if len(broken) == 1 else 'ranks'} "
+                f"{', '.join(map(str, sorted(broken)))} ({said}). %dist_restart starts fresh "
+                "engines: every rank's variables are lost (add --replay to re-run your setup cells)"
+            )
         return time.perf_counter() - t0
 
     def interrupt(self, ranks: Any = None) -> None:
@@ -844,6 +855,7 @@ class DistCluster:
                 if h is None
                 else ("ok" if h.get("initialized") else "not initialised")
             )
+            gpu = (h or {}).get("gpu")
             rows.append(
                 dict(
                     rank=r.rank,
@@ -854,6 +866,7 @@ class DistCluster:
                     backend=r.backend,
                     state=state,
                     process_group=pg,
+                    gpu=_gpu_text(gpu) if gpu else ("" if not r.device.startswith("cuda") else "-"),
                 )
             )
         return rows
@@ -871,6 +884,16 @@ class DistCluster:
 
     def __repr__(self) -> str:
         return f"<DistCluster {self._state}: {self.world_size} ranks, {self.backend}>"
+
+
+def _gpu_text(gpu: dict) -> str:
+    """'cuda:0 NVIDIA H200, 1.2 GiB / 2.0 GiB (peak 1.5 GiB)': allocated / reserved."""
+    from .ui.text import fmt_bytes
+
+    return (
+        f"{gpu['device']} {gpu['name']}, {fmt_bytes(gpu['allocated'])} / "
+        f"{fmt_bytes(gpu['reserved'])} (peak {fmt_bytes(gpu['peak'])})"
+    )
 
 
 def _pid_running(pid: int) -> bool:

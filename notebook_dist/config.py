@@ -52,10 +52,28 @@ class DistConfig:
     publish_interval_s: float = 0.5
     """How often each rank's agent thread reports its state while a cell runs."""
 
-    nccl_async_error_handling: str = "2"
-    """``TORCH_NCCL_ASYNC_ERROR_HANDLING``: 2 aborts the communicators and raises in the
-    caller but keeps the process (torch's default 3 tears the process down, i.e. the
-    engine and everything the user built in it)."""
+    nccl_async_error_handling: str = "0"
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING``: 0, the watchdog only marks a failed or timed-out
+    collective and leaves the process alone. The notebook owns recovery: the hang doctor
+    shows a stuck collective, and releasing it aborts the NCCL communicators from the
+    rank's agent thread, as torch's ``_abort_process_group`` asks (the watchdog must not
+    abort them too). torch's default, 3, tears the process down: the engine and everything
+    the user built in it. 2 would abort silently at the collective timeout."""
+
+    nccl_env: dict[str, str] = field(
+        default_factory=lambda: {
+            # the heartbeat monitor kills a process whose watchdog it thinks is stuck, and
+            # after a timeout it dumps and exits every rank of the group: never in a notebook
+            "TORCH_NCCL_ENABLE_MONITORING": "0",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+            # errors the watchdog sees are logged, not rethrown in a thread that ends the process
+            "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+            # start times in the Flight Recorder: a kernel that runs tells "started" from "scheduled"
+            "TORCH_NCCL_ENABLE_TIMING": "1",
+        }
+    )
+    """More NCCL settings for interactive use, each a reason above; set per rank. A user-set
+    value that differs is replaced and named when the cluster starts."""
 
     omp_num_threads: str | None = "1"
     """``OMP_NUM_THREADS`` for each rank when the user has not set it, as torchrun does:
@@ -86,7 +104,7 @@ class DistConfig:
 
     def rank_overrides(self) -> dict[str, str]:
         """Environment every rank gets; user-set values that differ are reported."""
-        env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": self.nccl_async_error_handling}
+        env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": self.nccl_async_error_handling, **self.nccl_env}
         if self.loopback_only and os.path.exists("/sys/class/net/lo"):
             env["GLOO_SOCKET_IFNAME"] = "lo"
         env.update(self.extra_env)

@@ -65,6 +65,39 @@ def visible_gpus(
     return chosen
 
 
+def check_cuda_visible_devices(
+    environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus"
+) -> str | None:
+    """The notebook's own ``CUDA_VISIBLE_DEVICES`` against the machine's GPUs, before
+    anything starts: an entry that names no GPU is refused (CUDA would silently stop at
+    it), and one that hides GPUs is said (the ranks get only what it shows)."""
+    environ = os.environ if environ is None else environ
+    spec = environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        physical = len(os.listdir(proc_root))
+    except OSError:
+        physical = 0
+    if spec is None or not physical:
+        return None
+    shown = visible_gpus(environ, proc_root)
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if items and items != ["-1"] and len(shown) < len(items):
+        bad = items[len(shown)]
+        raise PreflightError(
+            f"CUDA_VISIBLE_DEVICES={spec} names {bad!r}, which is no GPU of this machine (it "
+            f"has {physical}: 0-{physical - 1}); CUDA would stop there and use "
+            f"{', '.join(shown) or 'no GPU'}. Fix it, or unset it and choose with --gpus"
+        )
+    if len(shown) < physical:
+        hidden = physical - len(shown)
+        return (
+            f"CUDA_VISIBLE_DEVICES={spec} in this notebook's environment hides {hidden} of this "
+            f"machine's {physical} GPUs: the ranks get {len(shown) or 'none'} "
+            f"(unset it to use them all, or choose with --gpus)"
+        )
+    return None
+
+
 def assign_local_ranks(hosts: list[str]) -> list[tuple[int, int, int]]:
     """``(local_rank, local_world_size, group_rank)`` for each rank, by host, in rank order.
 
@@ -126,7 +159,11 @@ def plan_cluster(
     backend = (backend or "auto").lower()
     if backend not in BACKENDS:
         raise PreflightError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    gpu_ids = visible_gpus() if gpu_ids is None else list(gpu_ids)
+    notes: list[str] = []
+    if gpu_ids is None:  # this machine: what the notebook's CUDA_VISIBLE_DEVICES shows
+        hidden = check_cuda_visible_devices()
+        notes += [hidden] if hidden else []
+        gpu_ids = visible_gpus()
     chosen = parse_gpu_list(gpus)
     if chosen is not None:
         if not gpu_ids:
@@ -152,7 +189,6 @@ def plan_cluster(
             f"-n {n}: more ranks than this machine can run ({os.cpu_count()} CPU cores; "
             f"at most {max_local_ranks()} ranks on one machine)"
         )
-    notes: list[str] = []
     world_size = (len(use) if use else DEFAULT_CPU_RANKS) if n is None else n
     hosts = hosts or ["localhost"] * world_size
     if len(hosts) != world_size:
@@ -271,6 +307,16 @@ def plan_on_engines(
     """The plan for engines that already run, from their probes in rank order: LOCAL_RANK
     by host, GPUs as rank 0's host sees them, MASTER_ADDR from :func:`master_address` and,
     over the network, Gloo on the interface that holds each rank's address."""
+    with_gpus = {p["host"] for p in ordered if p["gpus"]}
+    if with_gpus and len(with_gpus) < len({p["host"] for p in ordered}):
+        without = sorted({p["host"] for p in ordered} - with_gpus)
+        raise PreflightError(
+            f"a mixed GPU/CPU world: {', '.join(sorted(with_gpus))} "
+            f"{'has' if len(with_gpus) == 1 else 'have'} GPUs, {', '.join(without)} "
+            f"{'has' if len(without) == 1 else 'have'} none. Every rank must be alike: start the "
+            "ranks on hosts with GPUs only, or hide the GPUs (CUDA_VISIBLE_DEVICES= on those "
+            "hosts' engines) for CPU ranks on Gloo everywhere"
+        )
     plan = plan_cluster(
         n,
         backend,

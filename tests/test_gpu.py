@@ -1,4 +1,17 @@
-"""The real NCCL path. Runs only where CUDA GPUs are visible (marked gpu)."""
+"""The real NCCL path. Runs only where CUDA GPUs are visible (marked gpu); each test says
+why it skips when there is too little hardware.
+
+One GPU: NCCL at world size 1, CUDA tensors gathered to the kernel's CPU, DDP and FSDP2 on
+CUDA, an NCCL group aborted and rebuilt with the namespace kept, a rank in a long kernel
+diagnosed as busy on the GPU and interrupted, Gloo ranks sharing the GPU with CUDA
+tensors, and the CUDA memory the dashboard and %dist_status show. Two or more: the
+conditional-collective hang on NCCL, diagnosed at its line and released with state kept.
+"""
+
+from __future__ import annotations
+
+import io
+import time
 
 import pytest
 
@@ -10,6 +23,21 @@ pytestmark = [
         not torch.cuda.is_available(), reason="needs a CUDA GPU: the NCCL path cannot run on CPU"
     ),
 ]
+
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 GPUs: NCCL refuses two ranks on one GPU, and a hang needs two ranks",
+)
+
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    """One rank on GPU 0 with NCCL (world size 1)."""
+    from notebook_dist import DistCluster
+
+    with DistCluster(gpus="0") as cluster:
+        assert cluster.backend == "nccl" and cluster.world_size == 1
+        yield cluster
 
 
 def test_nccl_one_rank_per_gpu_all_reduce():
@@ -28,7 +56,120 @@ def test_nccl_one_rank_per_gpu_all_reduce():
             assert index == rank and device == f"cuda:{rank}"
 
 
-def test_two_ranks_sharing_one_gpu_use_gloo_with_cuda_tensors():
+def test_cuda_tensors_gather_to_the_kernels_cpu(one_gpu):
+    r = one_gpu.run(
+        "big = torch.arange(1 << 20, device=nd.device, dtype=torch.float32)", gather=["big"]
+    )
+    r.raise_for_errors()
+    big = r.gathered["big"][0]
+    assert big.device.type == "cpu" and torch.equal(big, torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_ddp_and_fsdp2_train_on_cuda(one_gpu):
+    r = one_gpu.run(
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "torch.manual_seed(0)\n"
+        "ddp = DDP(torch.nn.Linear(8, 1).to(nd.device))\n"
+        "ddp(torch.randn(4, 8, device=nd.device)).sum().backward()\n"
+        "fsdp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)).to(nd.device)\n"
+        "fully_shard(fsdp, mesh=init_device_mesh('cuda', (nd.world_size,)))\n"
+        "opt = torch.optim.Adam(fsdp.parameters())\n"
+        "fsdp(torch.randn(4, 8, device=nd.device)).sum().backward()\n"
+        "opt.step()\n"
+        "(ddp.module.weight.grad is not None, str(fsdp[0].weight.to_local().device))"
+    )
+    r.raise_for_errors()
+    assert r.values[0] == (True, "cuda:0")
+
+
+def test_an_nccl_group_is_aborted_and_rebuilt_with_the_namespace_kept(one_gpu):
+    from notebook_dist.runtime import recover
+
+    one_gpu.run(
+        "kept = 41\nt = torch.ones(1, device=nd.device)\ndist.all_reduce(t)"
+    ).raise_for_errors()
+    aborted = one_gpu.apply(recover.abort_nccl)  # what a release does on the agent's thread
+    assert aborted[0] >= 1
+    assert dict(one_gpu.apply(_initialized)) == {0: False}
+    one_gpu.rebuild_process_group()
+    r = one_gpu.run(
+        "t = torch.full((3,), 2.0, device=nd.device)\ndist.all_reduce(t)\n(t.tolist(), kept + 1)"
+    )
+    r.raise_for_errors()
+    assert r.values[0] == ([2.0, 2.0, 2.0], 42)
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+SLEEP_ON_GPU = """
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+torch.cuda._sleep(1_000_000)
+end.record()
+torch.cuda.synchronize()
+cycles_per_ms = 1_000_000 / start.elapsed_time(end)
+kept = "still here"
+torch.cuda._sleep(int(SECONDS * 1000 * cycles_per_ms))  # one kernel, busy that long
+torch.cuda.synchronize()  # the host thread waits for it here, line 10
+"""
+
+
+class Hung(KeyboardInterrupt):
+    """The test's Ctrl-C, raised from the watch once a verdict shows."""
+
+
+def _until_verdict(cluster, code: str, hang_after: float = 3.0):
+    seen = {}
+
+    def on_update(watch):
+        if watch.shown_verdict and "diag" not in seen:
+            seen["diag"] = watch.diagnosis
+            raise Hung()
+
+    out = io.StringIO()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(
+            code,
+            filename="Cell In[5]",
+            header="%%distributed",
+            out=out,
+            hang_after=hang_after,
+            on_update=on_update,
+        )
+    return seen.get("diag"), out.getvalue(), time.monotonic() - t0
+
+
+def test_a_rank_in_a_long_kernel_is_busy_on_the_gpu_and_is_interrupted(one_gpu):
+    diag, out, took = _until_verdict(one_gpu, SLEEP_ON_GPU.replace("SECONDS", "8"))
+    assert diag is not None, out
+    assert diag.rows[0]["state"] == "busy on the GPU", diag.text()
+    assert diag.verdict.startswith("No rank is in a collective; all are busy on the GPU"), (
+        diag.verdict
+    )
+    print(f"\nlong kernel: verdict and interrupt after {took:.1f} s")
+    # the kernel cannot be stopped; once it ends the rank is idle and kept its variables
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            r = one_gpu.run("kept")
+            break
+        except Exception:
+            time.sleep(1)
+    assert dict(r.values) == {0: "still here"}
+    if not dict(one_gpu.apply(_initialized))[0]:  # released while the kernel ran: rebuild
+        one_gpu.rebuild_process_group()
+    r = one_gpu.run("t = torch.ones(1, device=nd.device)\ndist.all_reduce(t)\nt.item()")
+    assert dict(r.values) == {0: 1.0}
+
+
+def test_gloo_ranks_sharing_one_gpu_use_cuda_tensors():
     from notebook_dist import DistCluster
 
     with DistCluster(n=torch.cuda.device_count() + 1) as cluster:
@@ -38,3 +179,42 @@ def test_two_ranks_sharing_one_gpu_use_gloo_with_cuda_tensors():
         assert all(
             torch.equal(v, torch.full((2,), float(cluster.world_size))) for v in r.values.values()
         )
+
+
+def test_the_dashboard_and_status_show_the_gpu_and_its_memory(one_gpu):
+    from notebook_dist.ui.state import build
+
+    one_gpu.run(
+        "block = torch.empty(64 << 20, dtype=torch.uint8, device=nd.device)\nnd.report(step=1)"
+    ).raise_for_errors()
+    row = build(one_gpu.last_watch).rows[0]
+    assert row.gpu.startswith("cuda:0 ") and len(row.gpu) > len("cuda:0 ")  # with its name
+    assert row.gpu_allocated >= 64 << 20 and row.gpu_reserved >= row.gpu_allocated
+    assert row.gpu_peak >= row.gpu_allocated
+    status = one_gpu.status()[0]
+    assert status["gpu"].startswith("cuda:0 ") and "peak" in status["gpu"]
+
+
+@two_gpus
+def test_a_conditional_collective_on_nccl_is_diagnosed_and_released_with_state_kept():
+    from notebook_dist import DistCluster
+
+    with DistCluster(gpus="0,1") as cluster:
+        assert cluster.backend == "nccl"
+        cluster.run("kept = nd.rank * 10").raise_for_errors()
+        code = (
+            "x = torch.ones(4, device=nd.device)\nif nd.rank == 0:\n    dist.broadcast(x, 0)\n"
+            "dist.all_reduce(x)\nx.sum().item()\n"
+        )
+        diag, out, took = _until_verdict(cluster, code)
+        assert diag is not None, out
+        assert diag.kind == "conditional" and diag.culprits == [0] and diag.line == 4, diag.text()
+        assert "Line 4 is inside `if nd.rank == 0:` (line 3)" in diag.verdict
+        assert "released ranks 0, 1" in out, out
+        print(f"\nNCCL conditional collective: verdict, release and rebuild in {took:.1f} s")
+        assert dict(cluster.run("kept").values) == {0: 0, 1: 10}
+        r = cluster.run(
+            "t = torch.ones(2, device=nd.device) * (nd.rank + 1)\ndist.all_reduce(t)\nt.tolist()"
+        )
+        r.raise_for_errors()
+        assert dict(r.values) == {0: [3.0, 3.0], 1: [3.0, 3.0]}

@@ -349,11 +349,13 @@ def test_overridden_environment_is_named():
     try:
         with DistCluster(n=1) as c:
             assert c.notes == [
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING was '3' in your environment; ranks use '2' (see notebook_dist.config)"
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING was '3' in your environment; ranks use '0' (see notebook_dist.config)"
             ]
-            assert dict(
-                c.run("import os\nos.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING']").values
-            ) == {0: "2"}
+            said = c.run(
+                "import os\n[os.environ[k] for k in ('TORCH_NCCL_ASYNC_ERROR_HANDLING', "
+                "'TORCH_NCCL_ENABLE_MONITORING', 'TORCH_NCCL_DUMP_ON_TIMEOUT')]"
+            )
+            assert dict(said.values) == {0: ["0", "0", "0"]}  # the watchdog never ends a rank
     finally:
         del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
 

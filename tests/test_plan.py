@@ -3,7 +3,13 @@
 import pytest
 
 from notebook_dist.errors import PreflightError
-from notebook_dist.plan import assign_local_ranks, plan_cluster, visible_gpus
+from notebook_dist.plan import (
+    assign_local_ranks,
+    check_cuda_visible_devices,
+    plan_cluster,
+    plan_on_engines,
+    visible_gpus,
+)
 
 
 def test_no_gpu_defaults_to_two_gloo_ranks_on_cpu():
@@ -177,3 +183,48 @@ def test_ssh_hosts_refused_with_a_reason(hosts, n, message):
     with pytest.raises(PreflightError) as err:
         spread_over_hosts(parse_hosts(hosts), n)
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_cuda_visible_devices_that_hides_gpus_is_said_and_one_that_names_none_is_refused(tmp_path):
+    for i in range(8):
+        (tmp_path / f"0000:0{i}:00.0").mkdir()
+    gpus = str(tmp_path)
+    assert check_cuda_visible_devices({}, gpus) is None
+    assert check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, gpus) is None
+    note = check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": "0"}, gpus)
+    assert note.startswith(
+        "CUDA_VISIBLE_DEVICES=0 in this notebook's environment hides 7 of this machine's 8 GPUs"
+    )
+    assert "the ranks get none" in check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": ""}, gpus)
+    with pytest.raises(
+        PreflightError, match=r"CUDA_VISIBLE_DEVICES=0,9 names '9', which is no GPU"
+    ):
+        check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": "0,9"}, gpus)
+    assert check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": "0"}, "/nonexistent") is None
+
+
+def _probe(host, gpus):
+    return {
+        "host": host,
+        "machine": host,
+        "ip": f"10.0.0.{len(host)}",
+        "gpus": gpus,
+        "iface": "eth0",
+    }
+
+
+def test_a_mixed_gpu_and_cpu_world_is_refused_before_anything_starts():
+    ordered = [_probe("node1", ["0", "1"]), _probe("node1", ["0", "1"]), _probe("node2", [])]
+    with pytest.raises(
+        PreflightError, match="a mixed GPU/CPU world: node1 has GPUs, node2 has none"
+    ):
+        plan_on_engines(ordered, "here", loopback_only=False)
+    alike = [_probe("node1", ["0"]), _probe("node2", ["0"])]
+    assert plan_on_engines(alike, "here", loopback_only=False, n=2).backend == "nccl"
+
+
+def test_two_ranks_on_one_gpu_cannot_use_nccl():
+    with pytest.raises(
+        PreflightError, match="NCCL needs one GPU per rank: 2 ranks asked on one host, 1 GPU"
+    ):
+        plan_cluster(2, "nccl", gpu_ids=["0"])

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from .devices import gpu_state
 from .state import STATE
 from .tracker import CELL_PREFIX, TRACKER, is_tool_frame
 
@@ -69,18 +70,14 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _gpu_memory() -> tuple[int, int] | None:
-    torch = sys.modules.get("torch")
-    if torch is None or not STATE.device.startswith("cuda") or not torch.cuda.is_initialized():
-        return None
-    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-
-
 def _fr_dump():
+    """The Flight Recorder's JSON dump for this rank's backend: NCCL keeps its own recorder
+    (``_dump_nccl_trace_json``, CUDA builds only); the generic one has Gloo's entries."""
     torch = sys.modules.get("torch")
-    return getattr(
-        getattr(getattr(torch, "_C", None), "_distributed_c10d", None), "_dump_fr_trace_json", None
-    )
+    c10d = getattr(getattr(torch, "_C", None), "_distributed_c10d", None)
+    if STATE.backend == "nccl" and hasattr(c10d, "_dump_nccl_trace_json"):
+        return c10d._dump_nccl_trace_json
+    return getattr(c10d, "_dump_fr_trace_json", None)
 
 
 def fr_progress() -> dict[str, tuple[int, int]] | None:
@@ -133,6 +130,7 @@ def in_flight_internal() -> dict[str, Any] | None:
                 "sizes": entry.get("input_sizes"),
                 "dtypes": entry.get("input_dtypes"),
                 "group": (entry.get("process_group") or [pg, ""])[-1],
+                "state": entry.get("state"),  # NCCL: scheduled, started (its kernel runs)
             }
     return None
 
@@ -205,7 +203,7 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
         "wait_s": wait_s,
         "stack": stack,
         "rss": _rss_bytes(),
-        "gpu": _gpu_memory(),
+        "gpu": gpu_state(),
         "gpu_wait": gpu,
         "metrics": dict(STATE.metrics),
         "series": {

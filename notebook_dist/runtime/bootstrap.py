@@ -286,7 +286,10 @@ def health() -> dict:
     """What ``%dist_status`` shows of a rank's process group."""
     import torch.distributed as dist
 
+    from .devices import gpu_state
+
     info = {"pid": os.getpid(), "initialized": dist.is_available() and dist.is_initialized()}
+    info["gpu"] = gpu_state()
     if info["initialized"]:
         info["backend"] = dist.get_backend()
         info["rank"] = dist.get_rank()

@@ -1,4 +1,4 @@
-"""Release a rank blocked inside a Gloo collective, and rebuild the process group.
+"""Release a rank blocked inside a Gloo or NCCL collective, and rebuild the process group.
 
 SIGINT cannot interrupt a rank waiting in Gloo (the KeyboardInterrupt lands only when
 the collective returns), and ``pg.abort()``/``destroy_process_group()`` from another
@@ -73,8 +73,27 @@ def gloo_socket_fds() -> list[int]:
     return fds
 
 
+class CollectiveReleased(RuntimeError):
+    """Raised in a rank's main thread once the notebook has released it from an NCCL
+    collective that could not complete: the wait it was in returned, but what that
+    collective (and what followed it on the GPU) computed is void, so the cell ends here."""
+
+    def __init__(self, *args):
+        super().__init__(
+            *(
+                args
+                or (
+                    "released from an NCCL collective that could not complete: its results are void",
+                )
+            )
+        )
+
+
 def abort_collectives() -> int:
-    """Shut down this rank's Gloo connections; returns how many were closed."""
+    """Release this rank from the collectives it is stuck in: Gloo's connections shut down
+    (the blocked call raises), or every NCCL communicator aborted. Runs on the agent thread."""
+    if STATE.backend == "nccl":
+        return abort_nccl()
     closed = 0
     for fd in gloo_socket_fds():
         try:
@@ -92,12 +111,89 @@ def abort_collectives() -> int:
     return closed
 
 
+def abort_nccl(timeout_s: float = 5.0) -> int:
+    """Abort every NCCL communicator of this rank (torch's ``_abort_process_group``: all
+    groups, within one NCCL group call), then end the cell in the main thread.
+
+    The main thread waits on the host for the GPU (``.item()``, ``.cpu()``, a
+    synchronize) behind a kernel that waits for a peer; the abort lets that kernel end and
+    the wait return, with values that mean nothing, so :class:`CollectiveReleased` is
+    raised in the main thread (torchft marks its results void the same way). The abort
+    runs on a thread of its own: ``ncclCommAbort`` can block (behind a kernel that is not
+    NCCL's), and the agent must go on reporting. Returns how many groups were aborted.
+    """
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return 0
+    groups = list(c10d._world.pg_map)
+    # kept alive: a group freed now would join its watchdog thread while holding the GIL
+    STATE.extras.setdefault("aborted_groups", []).extend(groups)
+    done = threading.Event()
+
+    def abort() -> None:
+        try:
+            c10d._abort_process_group()
+        except Exception as exc:  # said by the rebuild, which checks the device
+            STATE.extras["abort_error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            done.set()
+
+    threading.Thread(target=abort, name="notebook_dist-abort", daemon=True).start()
+    if not done.wait(timeout_s):
+        STATE.extras["abort_error"] = f"ncclCommAbort did not return within {timeout_s:.0f} s"
+    if STATE.cell_state == "running":
+        raise_in_main_thread(CollectiveReleased)
+    STATE.extras["aborted_at"] = time.time()
+    return len(groups)
+
+
+def raise_in_main_thread(exc_type: type[BaseException]) -> None:
+    """Make the main thread raise ``exc_type`` at its next Python instruction."""
+    import ctypes
+    import threading
+
+    ident = threading.main_thread().ident
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+
+
+def cuda_unusable() -> str | None:
+    """Why this rank's CUDA context can no longer be used (an illegal memory access left
+    by an abort, say), or None when a synchronize and a tiny kernel still work."""
+    import torch
+
+    if not STATE.device.startswith("cuda"):
+        return None
+    try:
+        torch.cuda.synchronize(STATE.device)
+        if torch.ones(1, device=STATE.device).add_(1).item() != 2:
+            return "a test kernel computed a wrong value"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
 def reinit(master_port: int) -> dict:
-    """Destroy the (broken) default group and make a fresh one on ``master_port``."""
+    """Destroy the (broken) default group and make a fresh one on ``master_port``.
+
+    An NCCL group is aborted rather than destroyed (destroying waits for work a released
+    peer will never do), and a CUDA context that an abort left unusable is reported, not
+    used: only fresh engines (``%dist_restart``) can have a GPU again.
+    """
+    import torch.distributed as dist
 
     from . import bootstrap
 
     t0 = time.perf_counter()
+    if STATE.backend == "nccl":
+        if dist.is_initialized():
+            abort_nccl()
+        broken = cuda_unusable()
+        if broken:
+            return {"rank": STATE.rank, "cuda_unusable": broken}
     bootstrap.destroy_default_group()
     os.environ["MASTER_PORT"] = str(master_port)
     remember_preexisting_sockets()

@@ -56,8 +56,15 @@ def _row(row: RankRow) -> str:
         if k not in ("step", "total", "samples")
     )
     mem = fmt_bytes(row.rss_bytes)
+    if row.gpu and row.gpu_allocated is None:  # %dist_status: the GPU as the rank reported it
+        mem = f"<span class='nd-gpu'>{html.escape(row.gpu)}</span>"
     if row.gpu_allocated is not None:
-        mem += f", GPU {fmt_bytes(row.gpu_allocated)} / {fmt_bytes(row.gpu_reserved)}"
+        mem += (
+            f"<br><span class='nd-gpu' title='{html.escape(row.gpu)}: CUDA memory allocated / "
+            f"reserved (peak allocated)'>{html.escape(row.gpu.split(' ', 1)[0])} "
+            f"{fmt_bytes(row.gpu_allocated)} / {fmt_bytes(row.gpu_reserved)} "
+            f"(peak {fmt_bytes(row.gpu_peak)})</span>"
+        )
     chart = sparkline(row.chart) + (
         f"<div style='font-size:10px;color:#777'>{html.escape(row.chart_key)}</div>"
         if row.chart_key

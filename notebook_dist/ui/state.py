@@ -20,8 +20,10 @@ class RankRow:
     collective: str = ""  # "all_reduce #12"
     last_output: str = ""
     rss_bytes: int = 0
+    gpu: str = ""  # "cuda:0 NVIDIA H200"
     gpu_allocated: int | None = None
     gpu_reserved: int | None = None
+    gpu_peak: int | None = None
     step: float | None = None
     total: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -121,8 +123,11 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
             )
         row.last_output = watch.streamer.last_line.get(r, "")
         row.rss_bytes = snap.get("rss", 0) or 0
-        if snap.get("gpu"):
-            row.gpu_allocated, row.gpu_reserved = snap["gpu"]
+        gpu = snap.get("gpu")
+        if gpu:
+            row.gpu = f"{gpu['device']} {gpu['name']}"
+            row.gpu_allocated, row.gpu_reserved = gpu["allocated"], gpu["reserved"]
+            row.gpu_peak = gpu["peak"]
         metrics = {
             k: val for k, val in (snap.get("metrics") or {}).items() if not k.startswith("_")
         }
@@ -169,5 +174,7 @@ def cluster_state(cluster, rows: list[dict] | None = None, title: str = "") -> D
             if r["state"].startswith("dead")
             else ("running" if r["state"] == "busy" else "idle")
         )
-        st.rows[r["rank"]] = RankRow(rank=r["rank"], state=state, last_output=r["state"])
+        st.rows[r["rank"]] = RankRow(
+            rank=r["rank"], state=state, last_output=r["state"], gpu=r.get("gpu", "")
+        )
     return st

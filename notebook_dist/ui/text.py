@@ -58,7 +58,7 @@ def render_text(st: DashboardState) -> str:
         state = row.state + (" (straggler)" if row.straggler else "")
         mem = fmt_bytes(row.rss_bytes)
         if row.gpu_allocated is not None:
-            mem += f" / GPU {fmt_bytes(row.gpu_allocated)}"
+            mem += f" / GPU {fmt_bytes(row.gpu_allocated)} (peak {fmt_bytes(row.gpu_peak)})"
         table.append(
             (
                 str(r),

@@ -461,3 +461,94 @@ def growth(reps: int) -> dict:
                 "gather_16MB_each_ms": 1000 * statistics.median(g),
             }
     return out
+
+
+BENCH_SIZES = (64 << 10, 1 << 20, 4 << 20)
+
+
+def bench_vs_torchrun(cluster, reps: int) -> dict:
+    """%dist_bench's all_reduce bus bandwidth against the same timing loop under torchrun,
+    alternating; per size, the ratio of medians, and their geometric mean."""
+    from notebook_dist.bench import bench
+
+    ours: dict[int, list[float]] = {s: [] for s in BENCH_SIZES}
+    theirs: dict[int, list[float]] = {s: [] for s in BENCH_SIZES}
+    spec = ",".join(f"{s // 1024}K" for s in BENCH_SIZES)
+    for i in range(reps):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            if which == 0:
+                result = bench(cluster, ["all_reduce"], spec)
+                for s, bw in result.busbw("all_reduce").items():
+                    ours[s].append(bw)
+            else:
+                import json
+
+                _, stdout = _torchrun(["bench", ",".join(map(str, BENCH_SIZES))])
+                for row in json.loads(stdout.split("RESULT ", 1)[1]):
+                    bytes_, secs = row["bytes"], row["seconds"]
+                    theirs[bytes_].append(bytes_ / secs / 1e9 * 2 * (2 - 1) / 2)
+    per_size = {
+        str(s): {
+            "notebook_busbw_GBps": statistics.median(ours[s]),
+            "torchrun_busbw_GBps": statistics.median(theirs[s]),
+            "ratio": statistics.median(ours[s]) / statistics.median(theirs[s]),
+        }
+        for s in BENCH_SIZES
+    }
+    return {
+        "per_size": per_size,
+        "bench_vs_torchrun": geomean([v["ratio"] for v in per_size.values()]),
+    }
+
+
+PROFILED = """
+import time
+t = torch.ones(1 << 16)
+direct = 0.0
+for step in range(20):
+    if nd.rank == 1:
+        time.sleep(0.02)
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    direct += time.perf_counter() - t0
+direct
+"""
+
+PROFILER_LOOP = TRAIN_LOOP.replace(
+    "    nd.report(step=step, total=STEPS, loss=loss.item(), samples=64)\n", ""
+)
+BY_HAND = (
+    "import time as _t\n_t0 = _t.perf_counter()\n"
+    "with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):\n"
+    + "".join("    " + line + "\n" for line in PROFILER_LOOP.strip("\n").splitlines())
+    + "_t.perf_counter() - _t0\n"
+)
+BY_FLAG = (
+    "import time as _t\n_t0 = _t.perf_counter()\n" + PROFILER_LOOP + "_t.perf_counter() - _t0\n"
+)
+
+
+def profile_accuracy_and_cost(cluster, reps: int) -> dict:
+    """The profile's time in collectives on rank 0 against rank 0 timing each all_reduce
+    itself; and a DDP loop under --profile against the same loop under a torch.profiler the
+    cell starts by hand (the profile's cost is torch.profiler's own)."""
+    accuracy = []
+    for _ in range(reps):
+        r = cluster.run(PROFILED, profile=True)
+        r.raise_for_errors()
+        accuracy.append(r.profile.ranks[0].collectives_s / r.values[0])
+    cluster.run(TRAIN_SETUP).raise_for_errors()
+    flag, hand = [], []
+    steps = "100"
+    for i in range(reps):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            if which == 0:
+                r = cluster.run(BY_FLAG.replace("STEPS", steps), profile=True)
+            else:
+                r = cluster.run(BY_HAND.replace("STEPS", steps))
+            r.raise_for_errors()
+            (flag if which == 0 else hand).append(max(r.values.values()))
+    return {
+        "collectives_vs_direct": ratio(accuracy, [1.0] * len(accuracy)),
+        "flag_vs_by_hand": ratio(flag, hand),
+    }

@@ -53,6 +53,24 @@ TARGETS = [
         ">=",
         0.98,
     ),
+    (
+        "bench: %dist_bench all_reduce busbw / torchrun's",
+        ("bench", "bench_vs_torchrun"),
+        ">=",
+        0.95,
+    ),
+    (
+        "profile: rank 0's time in collectives / its own timing",
+        ("profile", "collectives_vs_direct", "pair_median"),
+        ">=",
+        0.9,
+    ),
+    (
+        "profile: DDP loop --profile / torch.profiler by hand",
+        ("profile", "flag_vs_by_hand", "pair_median"),
+        "<=",
+        1.1,
+    ),
 ]
 
 
@@ -75,7 +93,17 @@ def _skipped(results, path) -> str | None:
     return None
 
 
-CASE_NAMES = ("startup", "dispatch", "transfer", "tracking", "training", "dashboard", "growth")
+CASE_NAMES = (
+    "startup",
+    "dispatch",
+    "transfer",
+    "tracking",
+    "training",
+    "dashboard",
+    "growth",
+    "bench",
+    "profile",
+)
 
 
 def _dispatch(cluster, shell, capture_output, quick: bool) -> dict:
@@ -128,6 +156,8 @@ def main(argv=None) -> int:
         "training": lambda c: cases.training(c, 200 if quick else 1200, 2 if quick else 7),
         # hundreds of back-to-back pairs of ~1 s cells: single pairs swing +-15% here
         "dashboard": lambda c: cases.dashboard_overhead(c, 500, 4 if quick else 400),
+        "bench": lambda c: cases.bench_vs_torchrun(c, 2 if quick else 6),
+        "profile": lambda c: cases.profile_accuracy_and_cost(c, 3 if quick else 10),
     }
     if only & set(on_cluster):
         shell = TerminalInteractiveShell.instance()

@@ -14,6 +14,15 @@ if mode == "startup":
     dist.all_reduce(t)
     if dist.get_rank() == 0:
         print(f"RESULT {float(t)}")  # the caller checks that it summed
+elif mode == "bench":  # the same timing loop as %dist_bench, under torchrun
+    import json
+
+    from notebook_dist.runtime.bench import run
+
+    sizes = [int(s) for s in sys.argv[2].split(",")]
+    rows = run(["all_reduce"], sizes, "float32")
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(rows))
 elif mode == "train":
     steps = int(sys.argv[2])
     sys.path.insert(0, os.path.dirname(__file__))

@@ -9,10 +9,12 @@ from __future__ import annotations
 def load_ipython_extension(ipython) -> None:
     from .debugging import DebugMagics
     from .magics import DistMagics
+    from .performance import PerformanceMagics
 
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
     ipython.register_magics(DebugMagics(ipython))
+    ipython.register_magics(PerformanceMagics(ipython))
     ipython._notebook_dist_magics = magics
 
 

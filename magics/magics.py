@@ -324,6 +324,12 @@ class DistMagics(Magics):
     )
     @argument("--no-dashboard", action="store_true", help="no live dashboard for this cell")
     @argument(
+        "--profile",
+        action="store_true",
+        help="run the cell under torch.profiler on every rank and show where the time went: "
+        "compute, collectives, waiting for peers, a straggler verdict, a timeline and a merged trace",
+    )
+    @argument(
         "--autodist",
         action="store_true",
         help="set by %%autodist: the cell has no magic line of its own",
@@ -356,6 +362,7 @@ class DistMagics(Magics):
             hang_after=args.hang_after,
             dashboard=not args.no_dashboard,
             on_hang=args.on_hang,
+            profile=args.profile,
         )
 
     @cell_magic
@@ -379,6 +386,7 @@ class DistMagics(Magics):
         hang_after: float | None = None,
         dashboard: bool = True,
         on_hang: str = "show",
+        profile: bool = False,
     ):
         for name in gather:
             if not name.isidentifier() or keyword.iskeyword(name):
@@ -411,6 +419,7 @@ class DistMagics(Magics):
                 hang_after=hang_after,
                 on_update=feed,
                 on_hang=on_hang,
+                profile=profile,
             )
         finally:
             # only this cell's watch: a cell refused before it ran (a syntax error, a dead
@@ -425,6 +434,11 @@ class DistMagics(Magics):
         )
         for name, values in result.gathered.items():
             self.shell.user_ns[name] = values
+        if result.profile is not None:
+            from IPython.display import display
+
+            session.last_profile = result.profile
+            display(result.profile)
         result.raise_for_errors()
         return result.values
 

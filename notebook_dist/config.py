@@ -113,6 +113,10 @@ class DistConfig:
     def launch_env(self) -> dict[str, str]:
         """Environment the engine processes start with (before any user code)."""
         env = {"PYTHONUNBUFFERED": "1", "NOTEBOOK_DIST_ENGINE": "1"}
+        # torch.profiler's C++ side (kineto) prints a line at every start and stop of a
+        # profile, at its highest level (USDT); 6 is above it (%%distributed --profile)
+        if "KINETO_LOG_LEVEL" not in os.environ:
+            env["KINETO_LOG_LEVEL"] = "6"
         if self.omp_num_threads is not None and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = self.omp_num_threads
         return env

@@ -240,6 +240,7 @@ class CellResult:
     errors: dict[int, RemoteTraceback] = field(default_factory=dict)
     elapsed_s: float = 0.0
     released: list[int] = field(default_factory=list)
+    profile: Any = None  # notebook_dist.profile.Profile, for a cell run with profile=True
 
     def raise_for_errors(self) -> None:
         if self.errors:

@@ -11,6 +11,9 @@ _current: DistCluster | None = None
 #: In[N] -> the distributed cell that ran there (notebook_dist.export.ExportCell), for %dist_export
 cell_records: dict = {}
 
+#: the last profile (%%distributed --profile), for %dist_profile
+last_profile = None
+
 
 def current() -> DistCluster | None:
     """The running cluster, or None (a cluster that stopped is forgotten)."""

@@ -249,3 +249,20 @@ def test_10_frameworks(run_notebook):
         _cell(nb, "%%distributed\nimport tempfile")
     )
     assert "all 2 ranks agree" in _texts(_cell(nb, "%dist_compare module.net"))
+
+
+def test_11_performance(run_notebook):
+    nb = run_notebook("11_performance")
+    first = _texts(_cell(nb, "%%distributed --profile\ntrain(ddp)"))
+    assert "profile of Cell In[" in first and "all_reduce  40" in first  # two buckets a step
+    assert "No rank holds the others back." in first
+    slow = _texts(_cell(nb, "%%distributed --profile\ntrain(ddp, slow_rank=1)"))
+    assert "Verdict: rank 1 arrived last at" in slow and "rank 0 waited" in slow
+    assert "class='nd-timeline'" in slow and "Trace (Perfetto, chrome://tracing):" in slow
+    small = _texts(_cell(nb, "%%distributed --profile\ntrain(small_buckets)"))
+    assert "all_reduce  160" in small  # 8 buckets a step instead of 2
+    compressed = _texts(_cell(nb, "%%distributed --profile\ntrain(compressed)"))
+    assert "all_reduce  40     514 KiB" in compressed  # float16: half the bytes
+    bench = _texts(_cell(nb, "%dist_bench"))
+    assert "%dist_bench: 2 ranks, gloo, float32" in bench and "class='nd-chart'" in bench
+    assert "profile of Cell In[" in _texts(_cell(nb, "%dist_profile"))

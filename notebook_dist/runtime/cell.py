@@ -89,11 +89,13 @@ def run_cell(
     want_value: bool,
     token: str = "",
     shm_dir: str | None = None,
+    profile: str | None = None,
 ) -> list:
     """Execute ``code`` in the rank's namespace; return ``pack(result)``.
 
     ``source`` is the cell as the notebook shows it (for tracebacks) and ``first_line``
-    the notebook line number of ``code``'s first line.
+    the notebook line number of ``code``'s first line. ``profile`` (``"aligned"`` when
+    every rank runs the cell, ``"alone"`` otherwise) runs it under torch.profiler.
     """
     import time
 
@@ -102,9 +104,16 @@ def run_cell(
     ns = user_namespace()
     _register_source(filename, source)
     result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
-    TRACKER.reset_cell()
+    prof = None
+    if profile:
+        from .profiler import CellProfile
+
+        prof = CellProfile(align=profile == "aligned")
+    TRACKER.reset_cell(keep_all=prof is not None)
     STATE.reset_cell(time.time(), token)
     STATE.last_error = None  # %dist_debug looks at the last cell only
+    if prof is not None:
+        prof.__enter__()
     try:
         tree = ast.parse(code, filename=filename)
         ast.increment_lineno(tree, first_line - 1)
@@ -126,11 +135,15 @@ def run_cell(
         result.pop("value", None)
         result["has_value"] = False
     finally:
+        if prof is not None:
+            prof.__exit__(None, None, None)
         STATE.cell_state = result["status"] if result["status"] == "error" else "done"
         for stream in (sys.stdout, sys.stderr):
             _drain_fd(stream)
             stream.flush()
     result["collectives"] = TRACKER.count
+    if prof is not None:
+        result["profile"] = prof.collect(list(TRACKER.history))
     result["wait_s"] = TRACKER.wait_s
     from .agent import snapshot
 

@@ -76,11 +76,13 @@ class Tracker:
         self.count = 0
         self.p2p_count = 0
 
-    def reset_cell(self) -> None:
+    def reset_cell(self, keep_all: bool = False) -> None:
+        """``keep_all``: the cell's every collective stays in ``history`` (a profiled cell
+        names each one's line), not only its last 32."""
         # numbered per cell: "collective #3" is the cell's third, on every rank alike,
         # even when an earlier cell was interrupted with the ranks at different counts
         self.seq.clear()
-        self.history.clear()
+        self.history = deque(maxlen=None if keep_all else 32)
         self.pending.clear()
         self.last = None
         self.wait_s = 0.0

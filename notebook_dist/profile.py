@@ -10,6 +10,11 @@ matched collective by collective, which gives what no single rank's trace shows:
 - a per-op table with algorithm and bus bandwidth by the nccl-tests formulas;
 - a plain verdict when one rank holds the others back, naming it and its cell line;
 - a timeline, one lane per rank, and one merged Chrome trace (Perfetto, chrome://tracing).
+
+The events come from torch.profiler's own results. Holistic Trace Analysis, the usual tool
+for such traces, finds communication only in NCCL kernels on GPU streams: on CPU traces
+(Gloo) its overlap, temporal and straggler analyses return nothing or fail (tried with HTA
+0.5), so the matching across ranks is done here, on the Flight Recorder's sequence numbers.
 """
 
 from __future__ import annotations
@@ -78,20 +83,27 @@ class Profile:
     trace_path: str | None
     lanes: dict[int, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
     span_s: float = 0.0
+    cuda: bool = False  # GPU ranks: the table also shows exposed (not overlapped) communication
+
+    def rank_columns(self) -> tuple[str, ...]:
+        cols = ("rank", "wall", "compute", "collectives", "waiting for peers")
+        return cols + ("exposed",) if self.cuda else cols
+
+    def rank_cells(self, r: RankTime) -> tuple:
+        cells = (
+            r.rank,
+            f"{r.wall_s:.3f} s",
+            f"{r.compute_s:.3f} s",
+            f"{r.collectives_s:.3f} s",
+            f"{r.waiting_s:.3f} s",
+        )
+        return cells + (f"{r.exposed_s:.3f} s",) if self.cuda else cells
 
     def text(self) -> str:
         lines = [f"profile of {self.cell} on {len(self.world)} ranks"]
-        rows = [
-            {
-                "rank": r.rank,
-                "wall": f"{r.wall_s:.3f} s",
-                "compute": f"{r.compute_s:.3f} s",
-                "collectives": f"{r.collectives_s:.3f} s",
-                "waiting for peers": f"{r.waiting_s:.3f} s",
-            }
-            for r in self.ranks.values()
-        ]
-        lines += format_table(("rank", "wall", "compute", "collectives", "waiting for peers"), rows)
+        cols = self.rank_columns()
+        rows = [dict(zip(cols, self.rank_cells(r))) for r in self.ranks.values()]
+        lines += format_table(cols, rows)
         if self.ops:
             lines.append("")
             lines += format_table(

@@ -141,19 +141,7 @@ class Profile:
             )
             return f"<table style='font-size:12px;border-collapse:collapse'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-        ranks = table(
-            ("rank", "wall", "compute", "collectives", "waiting for peers"),
-            [
-                (
-                    r.rank,
-                    f"{r.wall_s:.3f} s",
-                    f"{r.compute_s:.3f} s",
-                    f"{r.collectives_s:.3f} s",
-                    f"{r.waiting_s:.3f} s",
-                )
-                for r in self.ranks.values()
-            ],
-        )
+        ranks = table(self.rank_columns(), [self.rank_cells(r) for r in self.ranks.values()])
         ops = table(
             ("op", "count", "size", "mean time", "algbw", "busbw"),
             [
@@ -368,7 +356,8 @@ def analyze(
         )
     verdict = _straggler(ranks, matched, last_count, late_ns, late_lines, by_key)
     path = write_trace(profiles, shift, t_min, cell, trace_dir)
-    return Profile(cell, world, ranks, ops, verdict, path, lanes, (t_max - t_min) / 1e9)
+    cuda = any(p.get("cuda") for p in profiles.values())
+    return Profile(cell, world, ranks, ops, verdict, path, lanes, (t_max - t_min) / 1e9, cuda)
 
 
 def _straggler(ranks, matched, last_count, late_ns, late_lines, by_key) -> str | None:

@@ -188,3 +188,15 @@ def test_dist_bench_measures_and_refuses_bad_input(live, run):
     assert "the first size is larger than the last" in str(bad.error)
     assert "unknown collective 'allreduce'" in str(run("%dist_bench allreduce").error)
     assert "--dtype 'float8'" in str(run("%dist_bench --dtype float8").error)
+
+
+def test_gpu_ranks_also_show_exposed_communication():
+    global arrivals_all
+    arrivals_all = [(0, 0)]
+    gpu = _rank(0, [0], transfer=10 * MS, busy=[(0, 5 * MS)], end=20 * MS)
+    gpu["cuda"] = True
+    p = analyze({0: gpu, 1: _rank(1, [0], transfer=10 * MS, end=20 * MS)}, {})
+    assert "exposed" in p.text().splitlines()[1].split()
+    assert "<th style='padding:1px 8px;text-align:left'>exposed</th>" in p._repr_html_()
+    cpu = analyze({0: _rank(0, [0], end=20 * MS), 1: _rank(1, [0], end=20 * MS)}, {})
+    assert "exposed" not in cpu.text()

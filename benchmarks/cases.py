@@ -147,7 +147,7 @@ def startup(reps: int) -> dict:
 def dispatch(cluster, shell, reps: int) -> dict:
     """An (almost) empty cell: ours against ipyparallel's own execute. Both count their
     runs on the ranks, and the counts are checked: a failure is never timed."""
-    view = cluster._client.direct_view(cluster._engine_ids)
+    view = cluster.processes.client.direct_view(cluster.processes.engine_ids)
     cluster.run("_bench_n = 0").raise_for_errors()
     ours, raw = [], []
     for _ in range(5):  # warm up both paths
@@ -218,7 +218,7 @@ CHECKSUM = "int({0}.view(torch.int32 if {0}.element_size() == 4 else torch.int16
 def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 3) -> dict:
     import torch
 
-    view = cluster._client.direct_view(cluster._engine_ids)
+    view = cluster.processes.client.direct_view(cluster.processes.engine_ids)
     out = {}
     for dtype in ("float32", "bfloat16"):
         for mb in sizes_mb:

@@ -163,7 +163,7 @@ class DistMagics(Magics):
         common = dict(n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout)
         try:
             if attach:
-                from notebook_dist.attach import AttachedCluster
+                from notebook_dist.cluster.attach import AttachedCluster
 
                 wanted = AttachedCluster(
                     profile=args.profile, cluster_id=args.cluster_id, network=args.network, **common
@@ -176,7 +176,7 @@ class DistMagics(Magics):
                 if ssh:
                     import shlex
 
-                    from notebook_dist.launch import parse_hosts
+                    from notebook_dist.cluster.hosts import parse_hosts
 
                     hosts = parse_hosts(args.hosts or "")
                     try:  # IPython keeps the quotes around a value: take them off first

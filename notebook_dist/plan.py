@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import PreflightError
+from .runtime.devices import visible_gpus
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_CPU_RANKS = 2
@@ -34,35 +35,6 @@ class ClusterPlan:
     ranks: tuple[RankPlan, ...]
     cuda_visible_devices: str | None
     notes: tuple[str, ...] = ()
-
-
-def visible_gpus(
-    environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus"
-) -> list[str]:
-    """IDs of the NVIDIA GPUs this process may use, without importing torch.
-
-    Honours ``CUDA_VISIBLE_DEVICES`` the way CUDA does: a list of ids (or UUIDs),
-    stopping at the first invalid entry; empty or ``-1`` hides every GPU.
-    """
-    environ = os.environ if environ is None else environ
-    try:
-        physical = sorted(os.listdir(proc_root))
-    except OSError:
-        physical = []
-    ids = [str(i) for i in range(len(physical))]
-    spec = environ.get("CUDA_VISIBLE_DEVICES")
-    if spec is None:
-        return ids
-    chosen = []
-    for item in spec.split(","):
-        item = item.strip()
-        if item.startswith("GPU-") or item.startswith("MIG-"):
-            chosen.append(item)
-            continue
-        if not item.isdigit() or item not in ids:
-            break
-        chosen.append(item)
-    return chosen
 
 
 def check_cuda_visible_devices(

@@ -316,10 +316,10 @@ def test_rank_that_died_is_reported_with_its_signal_and_next_cell_says_what_to_d
         "rank 1 was killed by SIGKILL (last seen at line 2, now in die"
     )
     assert "Run %dist_restart" in str(info.value)
-    sent = len(cluster._client.history)
+    sent = len(cluster.processes.client.history)
     with pytest.raises(ClusterError) as info:
         cluster.run("1")
-    assert len(cluster._client.history) == sent  # refused at once: nothing reached a rank
+    assert len(cluster.processes.client.history) == sent  # refused at once: nothing reached a rank
     assert (
         str(info.value)
         == "rank 1 was killed by SIGKILL. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."

@@ -47,8 +47,8 @@ def test_one_enormous_line_is_not_shown(live):
 
 def _ours(cluster) -> list[psutil.Process]:
     pids = [r.pid for r in cluster.ranks] + [
-        cluster._cluster.controller.pid,
-        cluster._reaper.proc.pid,
+        cluster.processes.ipp.controller.pid,
+        cluster.processes.reaper.proc.pid,
     ]
     return [psutil.Process(p) for p in pids]
 
@@ -68,10 +68,12 @@ def test_everything_listens_on_loopback_only(live):
 
 
 def test_connection_files_are_private(live):
-    security = os.path.join(live._profile_dir, "security")
+    security = os.path.join(live.processes.profile_dir, "security")
     files = [os.path.join(security, f) for f in os.listdir(security) if f.endswith(".json")]
     assert files
-    assert stat.S_IMODE(os.stat(live._profile_dir).st_mode) == 0o700  # nobody else can even look
+    assert (
+        stat.S_IMODE(os.stat(live.processes.profile_dir).st_mode) == 0o700
+    )  # nobody else can even look
     with_key = [p for p in files if '"key"' in open(p).read()]
     assert len(with_key) == 2  # the client's and the engines' connection files
     for path in with_key:
@@ -144,8 +146,8 @@ def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
         from notebook_dist.reaper import group_members
 
         engines = [r.pid for r in cluster.ranks]
-        reaper = cluster._reaper.proc.pid
-        controller = cluster._cluster.controller.pid
+        reaper = cluster.processes.reaper.proc.pid
+        controller = cluster.processes.ipp.controller.pid
         schedulers = [p for p in group_members(controller) if p != controller]
         assert schedulers, "expected the controller's scheduler processes in its group"
         os.kill(controller, signal.SIGKILL)
@@ -262,7 +264,7 @@ def test_an_engine_whose_imports_fail_is_reported_and_nothing_is_left(tmp_path):
         "or set DistConfig.python to a Python that has it)"
     ), message
     assert _nothing_new_left(before) == []
-    assert not os.path.exists(cluster._profile_dir)
+    assert not os.path.exists(cluster.processes.profile_dir)
 
 
 # ---- odd cells: undecodable text, raw bytes, very long lines, a rank ending itself ----

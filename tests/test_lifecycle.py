@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 PIDS_CODE = (
     "from notebook_dist import session\n"
     "c = session.current()\n"
-    "print('PIDS', *[r.pid for r in c.ranks], c._cluster.controller.pid, c._reaper.proc.pid)\n"
+    "print('PIDS', *[r.pid for r in c.ranks], c.processes.ipp.controller.pid, c.processes.reaper.proc.pid)\n"
 )
 
 
@@ -89,8 +89,8 @@ def test_shutdown_and_dead_rank_report():
 
     cluster = DistCluster(n=2).start()
     pids = [r.pid for r in cluster.ranks] + [
-        cluster._cluster.controller.pid,
-        cluster._reaper.proc.pid,
+        cluster.processes.ipp.controller.pid,
+        cluster.processes.reaper.proc.pid,
     ]
     try:
         os.kill(cluster.ranks[1].pid, signal.SIGKILL)

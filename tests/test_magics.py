@@ -75,7 +75,7 @@ def test_a_cell_that_ends_before_it_is_watched_keeps_its_output(live, run, monke
         ar.wait(30)
         ar.wait_for_output(30)
         for mid in ar.msg_ids:  # what ipyparallel's cleanup does once reply and output are in
-            cluster._client.metadata.pop(mid, None)
+            cluster.processes.client.metadata.pop(mid, None)
         real_init(self, cluster, ar, *args, **kwargs)
 
     monkeypatch.setattr(watch_module.CellWatch, "__init__", late_init)

@@ -29,7 +29,7 @@ def test_mpi_launcher_runs_ranks_in_mpi_order_and_stops_them_all(no_current, run
     out = run("%dist_init --launcher mpi -n 2")
     assert out.error is None, out.output
     cluster = session.current()
-    assert cluster.launcher == "mpi"
+    assert cluster.launcher.name == "mpi"
     out = run(
         "%%distributed\nimport os\nt = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\n"
         "(float(t), int(os.environ['OMPI_COMM_WORLD_RANK']), os.environ['LOCAL_RANK'])"
@@ -39,8 +39,8 @@ def test_mpi_launcher_runs_ranks_in_mpi_order_and_stops_them_all(no_current, run
     out = run("%%distributed\n" + DDP_IN_SYNC)
     assert out.error is None, out.output
     assert dict(out.result.result) == {0: True, 1: True}, "DDP replicas differ"
-    mpiexec = next(iter(cluster._cluster.engines.values())).pid
-    pids = [r.pid for r in cluster.ranks] + [mpiexec, cluster._cluster.controller.pid]
+    mpiexec = next(iter(cluster.processes.ipp.engines.values())).pid
+    pids = [r.pid for r in cluster.ranks] + [mpiexec, cluster.processes.ipp.controller.pid]
     out = run("%dist_shutdown")
     assert out.stdout.strip() == "notebook_dist: cluster stopped."
     deadline = time.monotonic() + 10
@@ -60,7 +60,7 @@ def test_a_rank_ending_under_mpi_is_reported_and_restart_brings_fresh_ranks(no_c
     out = run("%dist_restart")
     assert out.error is None, out.output
     fresh = session.current()
-    assert fresh is not old and fresh.launcher == "mpi"
+    assert fresh is not old and fresh.launcher.name == "mpi"
     assert dict(fresh.run("nd.rank").values) == {0: 0, 1: 1}
     assert pids_alive([r.pid for r in old.ranks]) == []
 
@@ -124,7 +124,7 @@ def test_kernel_sigkill_leaves_no_mpi_process(tmp_path):
         lines: list[str] = []
         kc.execute_interactive(
             "from notebook_dist import session\nc = session.current()\n"
-            "print('PIDS', *[r.pid for r in c.ranks], next(iter(c._cluster.engines.values())).pid)",
+            "print('PIDS', *[r.pid for r in c.ranks], next(iter(c.processes.ipp.engines.values())).pid)",
             timeout=30,
             output_hook=lambda m: lines.append(m["content"].get("text", "")),
         )

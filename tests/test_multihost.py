@@ -302,16 +302,18 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
     assert [r[1] for r in rows] == ["node1", "node1", "node2"], out.stdout
     cluster = session.current()
     print(f"--launcher ssh: 3 ranks on 2 hosts started in {cluster.startup_s:.1f} s")
-    engine_set = cluster._cluster.engines[next(iter(cluster._cluster.engines))]
+    engine_set = cluster.processes.ipp.engines[next(iter(cluster.processes.ipp.engines))]
     remote_dirs = {(el.hostname, el.remote_profile_dir) for el in engine_set.launchers.values()}
-    remote_dirs |= {(addr, cluster._profile_dir) for addr in (a, b)}  # the ranks' control files
+    remote_dirs |= {
+        (addr, cluster.processes.profile_dir) for addr in (a, b)
+    }  # the ranks' control files
     assert len(remote_dirs) == 4
     assert all(hosts["exists_on"](*where) for where in remote_dirs), remote_dirs
-    assert not any(os.path.exists(d) for _, d in remote_dirs if d != cluster._profile_dir)
+    assert not any(os.path.exists(d) for _, d in remote_dirs if d != cluster.processes.profile_dir)
 
     # the controller listens on the bridge address (and loopback, for its own schedulers),
     # not on every interface
-    controller = psutil.Process(cluster._cluster.controller.pid)
+    controller = psutil.Process(cluster.processes.ipp.controller.pid)
     listening = {
         c.laddr.ip
         for p in [controller, *controller.children(recursive=True)]
@@ -383,8 +385,8 @@ def test_ssh_ranks_end_when_their_controller_dies(hosts):
     import psutil
 
     from notebook_dist import DistCluster
+    from notebook_dist.cluster.engines import REMOTE_HEARTBEAT_MISSES
     from notebook_dist.config import DistConfig
-    from notebook_dist.launch import REMOTE_HEARTBEAT_MISSES
 
     a, b = HOSTS.values()
     opts = list(hosts["ssh_opts"])
@@ -402,7 +404,7 @@ def test_ssh_ranks_end_when_their_controller_dies(hosts):
         # they were told to give up after 15 missed heartbeat checks (ipyparallel: 50)
         flag = f"--IPEngine.max_heartbeat_misses={REMOTE_HEARTBEAT_MISSES}"
         assert all(flag in psutil.Process(p).cmdline() for p in pids)
-        os.kill(cluster._cluster.controller.pid, signal.SIGKILL)
+        os.kill(cluster.processes.ipp.controller.pid, signal.SIGKILL)
         t0 = time.monotonic()
         while any(psutil.pid_exists(p) for p in pids) and time.monotonic() - t0 < 90:
             time.sleep(0.2)

@@ -160,7 +160,7 @@ def test_more_local_ranks_than_the_machine_can_run_is_refused():
     ],
 )
 def test_ssh_hosts_are_spread_as_asked(hosts, n, engines):
-    from notebook_dist.launch import parse_hosts, spread_over_hosts
+    from notebook_dist.cluster.hosts import parse_hosts, spread_over_hosts
 
     assert spread_over_hosts(parse_hosts(hosts), n) == engines
 
@@ -178,7 +178,7 @@ def test_ssh_hosts_are_spread_as_asked(hosts, n, engines):
     ],
 )
 def test_ssh_hosts_refused_with_a_reason(hosts, n, message):
-    from notebook_dist.launch import parse_hosts, spread_over_hosts
+    from notebook_dist.cluster.hosts import parse_hosts, spread_over_hosts
 
     with pytest.raises(PreflightError) as err:
         spread_over_hosts(parse_hosts(hosts), n)

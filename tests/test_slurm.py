@@ -19,7 +19,7 @@ import time
 import pytest
 from conftest import DDP_IN_SYNC, pids_alive
 
-from notebook_dist.launch import RankSlurmEngineSetLauncher, engine_cmd
+from notebook_dist.cluster.engines import RankSlurmEngineSetLauncher, engine_cmd
 
 
 def test_the_batch_script_carries_the_options_and_our_engine(tmp_path):
@@ -157,7 +157,7 @@ def test_ranks_as_the_tasks_of_a_slurm_job(slurm, no_current, run):
     out = run('%dist_init --launcher slurm -n 2 --sbatch "--time=10 --job-name=nd-ranks"')
     assert out.error is None, out.output
     cluster = session.current()
-    job = next(iter(cluster._cluster.engines.values())).job_id
+    job = next(iter(cluster.processes.ipp.engines.values())).job_id
     assert _jobs() == [job]
     out = run(
         "%%distributed\nimport os\nt = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\n"

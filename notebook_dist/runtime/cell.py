@@ -14,8 +14,7 @@ import traceback
 from typing import Any
 
 from ..values import describe_unpicklable, pack
-from .bootstrap import user_namespace
-from .state import STATE
+from .state import STATE, user_namespace
 
 
 def _drain_fd(stream, timeout: float = 5.0) -> None:

@@ -3,6 +3,7 @@ and %dist_status)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -26,3 +27,32 @@ def gpu_state() -> dict[str, Any] | None:
         "reserved": torch.cuda.memory_reserved(device),
         "peak": torch.cuda.max_memory_allocated(device),
     }
+
+
+def visible_gpus(
+    environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus"
+) -> list[str]:
+    """IDs of the NVIDIA GPUs this process may use, without importing torch.
+
+    Honours ``CUDA_VISIBLE_DEVICES`` the way CUDA does: a list of ids (or UUIDs),
+    stopping at the first invalid entry; empty or ``-1`` hides every GPU.
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        physical = sorted(os.listdir(proc_root))
+    except OSError:
+        physical = []
+    ids = [str(i) for i in range(len(physical))]
+    spec = environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return ids
+    chosen = []
+    for item in spec.split(","):
+        item = item.strip()
+        if item.startswith("GPU-") or item.startswith("MIG-"):
+            chosen.append(item)
+            continue
+        if not item.isdigit() or item not in ids:
+            break
+        chosen.append(item)
+    return chosen

@@ -8,8 +8,7 @@ from typing import Any
 
 from ..compare import fingerprint, flatten, tensor_diff
 from ..values import pack
-from .bootstrap import user_namespace
-from .state import STATE
+from .state import STATE, user_namespace
 
 MAX_LOCALS = 40
 

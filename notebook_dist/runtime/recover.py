@@ -185,7 +185,7 @@ def reinit(master_port: int) -> dict:
     """
     import torch.distributed as dist
 
-    from . import bootstrap
+    from . import group
 
     t0 = time.perf_counter()
     if STATE.backend == "nccl":
@@ -194,10 +194,10 @@ def reinit(master_port: int) -> dict:
         broken = cuda_unusable()
         if broken:
             return {"rank": STATE.rank, "cuda_unusable": broken}
-    bootstrap.destroy_default_group()
+    group.destroy_default_group()
     os.environ["MASTER_PORT"] = str(master_port)
     remember_preexisting_sockets()
-    bootstrap.init_default_group(
+    group.init_default_group(
         STATE.backend, STATE.rank, STATE.world_size, STATE.timeout_s or 300, STATE.device
     )
     return {"rank": STATE.rank, "reinit_s": time.perf_counter() - t0}

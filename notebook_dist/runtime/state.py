@@ -60,3 +60,18 @@ def _default_device(local_rank: int) -> str:
     if torch is not None and torch.cuda.is_available():
         return f"cuda:{local_rank % torch.cuda.device_count()}"
     return "cpu"
+
+
+def user_namespace() -> dict:
+    """The namespace cells run in: the engine shell's, or ``__main__``'s outside one."""
+    try:
+        from IPython import get_ipython  # core only, no display code
+
+        ip = get_ipython()
+    except ImportError:
+        ip = None
+    if ip is not None:
+        return ip.user_ns
+    import __main__
+
+    return __main__.__dict__

@@ -14,15 +14,59 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 
-from .cluster import DistCluster, _remote_message, _stop_loop_thread
-from .config import DistConfig
-from .errors import ClusterError, PreflightError
-from .plan import rank_order
-from .reaper import Reaper
-from .runtime import bootstrap as rt_bootstrap
+from ..config import DistConfig
+from ..errors import ClusterError, PreflightError
+from ..plan import rank_order
+from ..reaper import Reaper
+from ..runtime import bootstrap as rt_bootstrap
+from ..runtime import host as rt_host
+from . import DistCluster
+from .processes import Processes, stop_loop_thread
+from .ranks import remote_message
+
+
+class AttachedProcesses(Processes):
+    """Engines someone else started: nothing to start, and nothing of theirs to stop."""
+
+    def __init__(self, config: DistConfig, launcher, client, engine_order: list[int]):
+        super().__init__(config, launcher)
+        self.client = client
+        self._order = engine_order
+        self.notes: list[str] = []
+
+    def start(self, n: int) -> None:
+        # a private folder for the control files, removed if the kernel dies
+        self.profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
+        self.reaper = Reaper()
+        self.reaper.remove_on_exit(self.profile_dir)
+        self.engine_ids = list(self._order)
+        return None
+
+    def controller_alive(self) -> bool:
+        return self.client is not None and not getattr(self.client, "_closed", False)
+
+    def stop(self, also_remove=()) -> None:
+        """End the process group on every rank; the engines keep running."""
+        client = self.client
+        if client is not None:
+            alive = [r.engine_id for r in self.ranks if r.rank not in self.dead_ranks()]
+            if alive:
+                try:
+                    client[alive].apply_sync(rt_bootstrap.detach)
+                except Exception as exc:  # a busy or lost engine: it keeps its group
+                    self.notes.append(f"could not detach every rank: {remote_message(exc)}")
+            with contextlib.suppress(Exception):
+                client.close()
+            stop_loop_thread(client)
+        if self.reaper is not None:
+            self.reaper.release()
+        for path in (self.profile_dir, *also_remove):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 class AttachedCluster(DistCluster):
@@ -52,25 +96,22 @@ class AttachedCluster(DistCluster):
         client = _connect(profile, profile_dir, cluster_id, connect_timeout)
         try:
             ids = _engines(client, n, config.start_timeout_s)
-            probes = dict(zip(ids, client[ids].apply_sync(rt_bootstrap.probe)))
-            order = rank_order(probes)
-            ordered = [probes[e] for e in order]
-            here = rt_bootstrap.machine_id()
+            probes = dict(zip(ids, client[ids].apply_sync(rt_host.probe)))
+            self._engine_order = rank_order(probes)
+            self._client_ready = client
+            ordered = [probes[e] for e in self._engine_order]
             super().__init__(
-                n=len(order),
+                n=len(ordered),
                 backend=backend,
                 gpus=gpus,
                 timeout=timeout,
                 config=config,
-                placement=(ordered, here),
+                placement=(ordered, rt_host.machine_id()),
             )
         except BaseException:
             client.close()
-            _stop_loop_thread(client)
+            stop_loop_thread(client)
             raise
-        self._client_ready = client
-        self._engine_order = order
-        self._probes = probes
         self.attached_to = {
             "profile": profile,
             "cluster_id": cluster_id,
@@ -78,27 +119,18 @@ class AttachedCluster(DistCluster):
         }
         self.request.update(attach=(profile, profile_dir, cluster_id), network=network)
 
-    def discard(self) -> None:
-        if self._state == "new" and self._client_ready is not None:
-            self._client_ready.close()
-            self._client_ready = None
-        self._state = "stopped"
+    def _processes(self) -> Processes:
+        return AttachedProcesses(self.config, self.launcher, self._client_ready, self._engine_order)
 
-    def _start_processes(self) -> None:
-        # nothing to start: a private folder for the control files, removed if the kernel dies
-        self._client = self._client_ready
-        self._profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
-        self._reaper = Reaper()
-        self._reaper.remove_on_exit(self._profile_dir)
-        self._engine_ids = list(self._engine_order)
-        self._by_pid = {}
+    def discard(self) -> None:
+        if self.state == "new" and self.processes.client is not None:
+            self.processes.client.close()
+            self.processes.client = None
+        self.state = "stopped"
 
     @property
     def cluster_id(self) -> str:
         return self.attached_to["cluster_id"] or "default"
-
-    def controller_alive(self) -> bool:
-        return self._client is not None and not getattr(self._client, "_closed", False)
 
     def restarted(self) -> DistCluster:
         raise ClusterError(
@@ -108,27 +140,8 @@ class AttachedCluster(DistCluster):
 
     def shutdown(self) -> None:
         """End the process group on every rank; the engines keep running."""
-        if self._state == "stopped":
-            return
-        self._state = "stopping"
-        client = self._client
-        if client is not None:
-            alive = [r.engine_id for r in self.ranks if r.rank not in self.dead_ranks()]
-            if alive:
-                try:
-                    client[alive].apply_sync(rt_bootstrap.detach)
-                except Exception as exc:  # a busy or lost engine: it keeps its group
-                    self.notes.append(f"could not detach every rank: {_remote_message(exc)}")
-            with contextlib.suppress(Exception):
-                client.close()
-            _stop_loop_thread(client)
-        if self._reaper is not None:
-            self._reaper.release()
-        if self._profile_dir:
-            import shutil
-
-            shutil.rmtree(self._profile_dir, ignore_errors=True)
-        self._state = "stopped"
+        super().shutdown()
+        self.notes += self.processes.notes
 
     def __del__(self):
         pass  # nothing of ours runs: the engines belong to their cluster

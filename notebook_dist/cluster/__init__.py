@@ -1,0 +1,329 @@
+"""DistCluster: an ipyparallel cluster whose engines are torch.distributed ranks.
+
+The Python API every magic calls; it works without IPython:
+
+>>> from notebook_dist import DistCluster
+>>> with DistCluster(n=2) as c:
+...     c.run("import torch.distributed as dist\\ndist.get_rank()").values
+RankValues({0: 0, 1: 1})
+
+:class:`DistCluster` is a facade; each of its jobs has a module of its own:
+
+- ``launchers.py``: how engines start (local, MPI, Slurm, ssh), behind one interface;
+- ``processes.py``: the controller and engine processes, watched and stopped by pid;
+- ``ranks.py``: engines become ranks of the default process group;
+- ``cells.py``: what runs on the ranks (cells, functions, values, status);
+- ``recovery.py``: interrupting, releasing, rebuilding, restarting, replaying;
+- ``attach.py``: a cluster on engines someone else started (``ipcluster``).
+
+Ranks are positions in the cluster's ordered engine list, never raw engine ids (ids
+change when engines restart).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, TextIO
+
+from ..config import DistConfig
+from ..errors import ClusterError, PreflightError
+from ..execute import CellResult, PreparedCell
+from ..plan import ClusterPlan, plan_cluster, plan_on_engines
+from ..ranks import parse_ranks
+from ..values import RankValues, shm_dir_for
+from ..watch import CellWatch
+from . import cells, recovery
+from . import ranks as rank_setup
+from .launchers import make as make_launcher
+from .processes import Processes, check_port, check_python, free_port
+from .ranks import RankInfo
+
+__all__ = ["DistCluster", "RankInfo", "free_port"]
+
+
+class DistCluster:
+    """A set of ranks, one ipyparallel engine each, with the default process group ready.
+
+    ``DistCluster(n=None, backend="auto", gpus=None, timeout=None)`` decides the layout
+    at once (raising :class:`PreflightError` for a request that cannot work) and starts
+    nothing until :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        backend: str = "auto",
+        gpus: str | list[int] | None = None,
+        timeout: float | None = None,
+        *,
+        port: int | None = None,
+        launcher: str = "local",
+        config: DistConfig | None = None,
+        ssh_hosts: dict[str, int] | None = None,
+        placement: tuple[list[dict], str] | None = None,
+    ):
+        """``launcher``: local, mpi, slurm or ssh (``notebook_dist.cluster.launchers``).
+        ``ssh_hosts`` (``--launcher ssh``): engines per host, e.g. ``{"node1": 2}``.
+        ``placement``: for engines that already run, their probes in rank order and this
+        machine's id (see :func:`notebook_dist.plan.plan_on_engines`)."""
+        self.config = config or DistConfig()
+        self.launcher = make_launcher(launcher, self.config, n, ssh_hosts)
+        if timeout is not None:
+            if not math.isfinite(timeout) or timeout <= 0:
+                raise PreflightError(f"--timeout {timeout}: give a positive number of seconds")
+            self.config.timeout_s = float(timeout)
+        ssh = getattr(self.launcher, "hosts", {})
+        self.request = {
+            "n": n,
+            "backend": (backend or "auto").lower(),
+            "gpus": gpus,
+            "timeout": self.config.timeout_s,
+            "port": port,
+            "launcher": self.launcher.name,
+            "slurm": dict(self.config.slurm),
+            "ssh": (dict(ssh), repr(self.config.ssh)),
+        }
+        if placement is not None:
+            self.plan: ClusterPlan = plan_on_engines(
+                *placement, self.config.loopback_only, n, backend, gpus
+            )
+        elif ssh:  # provisional: the hosts' GPUs are known once their engines run
+            hosts = [h for h, count in ssh.items() for _ in range(count)]
+            self.plan = plan_cluster(len(hosts), "gloo", None, gpu_ids=[], hosts=hosts)
+        else:
+            self.plan = plan_cluster(n, backend, gpus)
+        self.port = port  # the rendezvous port (MASTER_PORT); None: the OS picks one
+        if not self.launcher.remote:  # (a remote port and Python are the hosts' to check)
+            if port is not None:
+                check_port(port, "127.0.0.1" if self.config.loopback_only else "")
+            check_python(self.config.python)
+        self.processes = self._processes()
+        self.ranks: list[RankInfo] = []
+        self.notes: list[str] = list(self.plan.notes)
+        self.bootstrap_info: list[dict] = []  # per rank: import_s, init_s (benchmarks read these)
+        self.startup_s: float | None = None
+        self.state = "new"
+        self.last_watch: CellWatch | None = None
+        self.shm_dir: str | None = None  # tmpfs folder for large tensors (local clusters)
+        #: cells that ran cleanly on every rank since start, for %dist_restart --replay
+        self.history: list[PreparedCell] = []
+
+    def _processes(self) -> Processes:
+        return Processes(self.config, self.launcher)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+    @property
+    def cluster_id(self) -> str:
+        return self.processes.cluster_id
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def start(self) -> DistCluster:
+        """Start the controller and engines, then make every engine a rank."""
+        if self.state != "new":
+            raise ClusterError(
+                f"this cluster is {self.state}; make a new DistCluster to start again"
+            )
+        self.state = "starting"
+        t0 = time.perf_counter()
+        try:
+            ordered = self.processes.start(self.world_size)
+            plan = ordered and self.launcher.replan(ordered, self.processes.here, self.request)
+            if plan:  # the hosts' own GPUs and addresses are known now (ssh)
+                self.plan, self.notes = plan, list(plan.notes)
+            self.ranks, self.bootstrap_info, notes = rank_setup.join(
+                self.processes, self.plan, self.config, self.port
+            )
+            self.notes += notes
+            self.processes.ranks_joined(self.ranks)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        self.state = "running"
+        if self.config.loopback_only:  # every rank is on this machine: tensors go through tmpfs
+            self.shm_dir = shm_dir_for(self.cluster_id)
+            if self.shm_dir and self.processes.reaper is not None:
+                self.processes.reaper.remove_on_exit(self.shm_dir)
+        return self
+
+    def discard(self) -> None:
+        """Let go of a cluster that was planned but will not start (nothing to do here)."""
+
+    def shutdown(self) -> None:
+        """Stop every process this cluster started; safe to call more than once."""
+        if self.state == "stopped":
+            return
+        self.state = "stopping"
+        self.processes.stop(also_remove=(self.shm_dir,))
+        self.state = "stopped"
+
+    def __enter__(self) -> DistCluster:
+        return self.start() if self.state == "new" else self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        # a garbage-collected cluster must not leave processes behind
+        if getattr(self, "state", "stopped") in ("running", "starting"):
+            try:
+                self.shutdown()
+            except Exception:
+                pass
+
+    def require_running(self) -> None:
+        if self.state != "running":
+            raise ClusterError(
+                f"the cluster is {self.state}: start one with %dist_init (or DistCluster.start())"
+            )
+
+    def select(self, spec: Any = None) -> list[int]:
+        return parse_ranks(spec, self.world_size)
+
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks whose engine process has ended, with how it ended."""
+        return self.processes.dead_ranks()
+
+    def controller_alive(self) -> bool:
+        return self.processes.controller_alive()
+
+    # ---- running on the ranks (cells.py) --------------------------------------------------
+
+    def run(
+        self,
+        cell: str | PreparedCell,
+        ranks: Any = None,
+        gather: list[str] | tuple[str, ...] = (),
+        *,
+        filename: str = "<cell>",
+        header: str | None = None,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        hang_after: float | None = None,
+        on_update=None,
+        on_hang: str = "show",
+        profile: bool = False,
+    ) -> CellResult:
+        """Run a cell on the selected ranks at once, streaming their output live.
+
+        Returns a :class:`CellResult`; call ``raise_for_errors()`` to raise
+        :class:`RankError` if any rank raised. A syntax error raises before any rank runs.
+        While it runs, a hang longer than ``hang_after`` seconds prints a diagnosis, and a
+        rank that raises or dies while others wait in a collective gets them released.
+        ``profile``: run it under torch.profiler on every rank; ``result.profile`` is then
+        a :class:`notebook_dist.profile.Profile` (where the time went, across ranks).
+        """
+        return cells.run(
+            self,
+            cell,
+            ranks,
+            gather,
+            filename=filename,
+            header=header,
+            out=out,
+            err=err,
+            hang_after=hang_after,
+            on_update=on_update,
+            on_hang=on_hang,
+            profile=profile,
+        )
+
+    def apply(
+        self, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs
+    ) -> RankValues:
+        """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns."""
+        return cells.apply(self, func, *args, ranks=ranks, timeout=timeout, **kwargs)
+
+    def push(self, values: dict[str, Any], ranks: Any = None) -> None:
+        """Bind ``values`` (name -> object) in every selected rank's namespace."""
+        cells.push(self, values, ranks)
+
+    def pull(self, names: list[str] | str, ranks: Any = None) -> dict[str, RankValues]:
+        """Fetch variables from the selected ranks: name -> RankValues."""
+        return cells.pull(self, names, ranks)
+
+    def status(self) -> list[dict[str, Any]]:
+        """One dict per rank: rank, engine_id, host, pid, device, backend, state,
+        process_group, gpu."""
+        return cells.status(self)
+
+    def clock_offsets(self, ranks: list[int], samples: int = 3) -> dict[int, int]:
+        """Each rank's clock minus the kernel's, in ns."""
+        return cells.clock_offsets(self, ranks, samples)
+
+    # ---- inspection (notebook_dist.inspect) ---------------------------------------------
+
+    def compare(self, expr: str, ranks: Any = None, atol: float = 0.0, rtol: float = 0.0):
+        """What differs across ranks in EXPR (a tensor, module, optimizer or container)."""
+        from ..inspect import compare
+
+        return compare(self, expr, ranks, atol, rtol)
+
+    def inspect(self, expr: str, ranks: Any = None) -> RankValues:
+        """EXPR evaluated on each rank, without running a cell."""
+        from ..inspect import inspect
+
+        return inspect(self, expr, ranks)
+
+    def debug(self, rank: int | None = None, expr: str | None = None, frame: int = 0):
+        """Post-mortem: the frame where ``rank`` raised in the last cell, its locals, EXPR there."""
+        from ..inspect import debug
+
+        return debug(self, rank, expr, frame)
+
+    # ---- recovery (recovery.py) -----------------------------------------------------------
+
+    def interrupt(self, ranks: Any = None) -> None:
+        """Send SIGINT to the selected ranks (like the notebook's stop button)."""
+        recovery.interrupt(self, ranks)
+
+    def release_collectives(self, ranks: list[int], token: str) -> None:
+        """Release the ranks from collectives that cannot complete, for the cell ``token``."""
+        recovery.release_collectives(self, ranks, token)
+
+    def rebuild_process_group(self) -> float:
+        """A fresh default process group on every rank (after a release); returns seconds."""
+        return recovery.rebuild_process_group(self)
+
+    def fault_report(self, rank: int) -> dict[str, Any]:
+        """Where a rank that died of a fatal signal was: its cell line and collective, if known."""
+        return recovery.fault_report(self, rank)
+
+    def restarted(self) -> DistCluster:
+        """Stop this cluster and return a fresh one with the same request (and history)."""
+        return recovery.restarted(self)
+
+    def replay(
+        self, cells_: list[PreparedCell], out: TextIO | None = None, err: TextIO | None = None
+    ) -> int:
+        """Re-run recorded cells in order; stops at (and raises) the first failure."""
+        return recovery.replay(self, cells_, out, err)
+
+    # ---- display ----------------------------------------------------------------------------
+
+    def table(
+        self,
+        rows: list[dict[str, Any]] | None = None,
+        columns: tuple[str, ...] = ("rank", "host", "pid", "device", "backend"),
+    ) -> str:
+        """The rank table as fixed-width text."""
+        from ..table import format_table
+
+        rows = [{c: getattr(r, c) for c in columns} for r in self.ranks] if rows is None else rows
+        return "\n".join(format_table(columns, rows))
+
+    def __repr__(self) -> str:
+        return f"<DistCluster {self.state}: {self.world_size} ranks, {self.backend}>"

@@ -1,0 +1,235 @@
+"""What runs on the ranks: cells (streamed, watched, their values collected), functions
+(``apply``), values sent and fetched, and the ranks' status. Each takes the
+:class:`~notebook_dist.cluster.DistCluster` it runs on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from typing import Any, TextIO
+
+from ..errors import ClusterError, TransferError
+from ..execute import CellResult, PreparedCell, collect, prepare_cell
+from ..runtime import bootstrap as rt_bootstrap
+from ..runtime import cell as rt_cell
+from ..values import RankValues, pack_named, unpack
+from ..watch import CellWatch
+from .ranks import remote_message
+
+
+def run(
+    cluster,
+    cell: str | PreparedCell,
+    ranks: Any = None,
+    gather: list[str] | tuple[str, ...] = (),
+    *,
+    filename: str = "<cell>",
+    header: str | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    hang_after: float | None = None,
+    on_update=None,
+    on_hang: str = "show",
+    profile: bool = False,
+) -> CellResult:
+    """:meth:`DistCluster.run`."""
+    cluster.require_running()
+    selected = cluster.select(ranks)
+    prepared = cell if isinstance(cell, PreparedCell) else prepare_cell(cell, filename, header)
+    cluster.processes.check_alive(selected)
+    gather = list(gather)
+    if on_hang not in ("show", "stop"):
+        raise ValueError("on_hang must be 'show' or 'stop'")
+    offsets: dict[int, int] = {}
+    request: tuple = ()
+    if profile:  # the ranks' clocks against the kernel's, to put them on one timeline
+        offsets = clock_offsets(cluster, selected)
+        request = ("aligned" if len(selected) == cluster.world_size else "alone",)
+    t0 = time.perf_counter()
+    token = uuid.uuid4().hex
+    ar = cluster.processes.rank_view(selected).apply_async(
+        rt_cell.run_cell_request,
+        (
+            prepared.code,
+            prepared.filename,
+            prepared.source,
+            prepared.first_line,
+            gather,
+            prepared.want_value,
+            token,
+            cluster.shm_dir,
+            *request,
+        ),
+    )
+    watch = cluster.last_watch = CellWatch(
+        cluster,
+        ar,
+        selected,
+        prepared,
+        out,
+        err,
+        cluster.config.hang_after_s if hang_after is None else hang_after,
+        on_update,
+    )
+    watch.token = token
+    watch.hang_action = on_hang
+    watch.run_to_end()
+    if any(v.status == "dead" for v in watch.views.values()):
+        raise ClusterError((watch.final or watch.diagnose()).verdict)
+    results = [watch.views[r].result for r in selected]
+    result = collect(selected, results, gather)
+    for r in watch.released:
+        # a released rank's error is a consequence, not a cause: the cause is shown
+        if r in result.errors and len(result.errors) > 1:
+            del result.errors[r]
+    result.released = sorted(watch.released)
+    result.elapsed_s = time.perf_counter() - t0
+    if profile:
+        from ..profile import analyze
+
+        profiles = {
+            r: res["profile"] for r, res in zip(selected, results) if res and res.get("profile")
+        }
+        if profiles:
+            result.profile = analyze(profiles, offsets, prepared.filename)
+    if not result.errors and not watch.released and len(selected) == cluster.world_size:
+        cluster.history.append(prepared)
+    return result
+
+
+def apply(
+    cluster, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs
+) -> RankValues:
+    """:meth:`DistCluster.apply`."""
+    cluster.require_running()
+    selected = cluster.select(ranks)
+    cluster.processes.check_alive(selected)
+    ar = cluster.processes.rank_view(selected).apply_async(func, *args, **kwargs)
+    try:
+        results = ar.get(timeout=timeout)
+    except Exception as exc:
+        raise ClusterError(
+            f"could not run {getattr(func, '__name__', func)} on the ranks: {remote_message(exc)}"
+        ) from None
+    return RankValues(dict(zip(selected, results)))
+
+
+def push(cluster, values: dict[str, Any], ranks: Any = None) -> None:
+    """:meth:`DistCluster.push`."""
+    cluster.require_running()
+    for name in values:
+        if not name.isidentifier():
+            raise TransferError(f"{name!r} is not a valid Python name")
+    for name, value in values.items():
+        pack_named(name, value, "the notebook")  # precise error before sending anything
+    files: list[str] = []  # read by every rank: removed here once all have
+    frames = pack_named(", ".join(values), dict(values), "the notebook", cluster.shm_dir, files)
+    try:
+        apply(cluster, rt_cell.push_values, *frames, ranks=ranks)
+    finally:
+        for path in files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def pull(cluster, names: list[str] | str, ranks: Any = None) -> dict[str, RankValues]:
+    """:meth:`DistCluster.pull`."""
+    if isinstance(names, str):
+        names = [names]
+    results = apply(cluster, rt_cell.pull_values, list(names), cluster.shm_dir, ranks=ranks)
+    out: dict[str, dict[int, Any]] = {n: {} for n in names}
+    missing: dict[str, list[int]] = {}
+    problems = []
+    for rank, frames in results.items():
+        res = unpack(frames)
+        for name in res["missing"]:
+            missing.setdefault(name, []).append(rank)
+        for name, why in res["unpicklable"].items():
+            problems.append(f"{name!r} on rank {rank}: {why}")
+        for name, value in res["values"].items():
+            out[name][rank] = value
+    for name, where in missing.items():
+        noun = "rank" if len(where) == 1 else "ranks"
+        problems.insert(0, f"{name!r} is not defined on {noun} {', '.join(map(str, where))}")
+    if problems:
+        raise TransferError("; ".join(problems))
+    return {name: RankValues(v, name=name) for name, v in out.items()}
+
+
+def clock_offsets(cluster, ranks: list[int], samples: int = 3) -> dict[int, int]:
+    """Each rank's clock minus the kernel's, in ns: from the round trip with the least delay
+    (the error is at most half of it; on one machine, about nothing)."""
+    from ..runtime.profiler import clock
+
+    view = cluster.processes.rank_view(ranks)
+    best: dict[int, tuple[int, int]] = {}
+    for _ in range(samples):
+        t0 = time.time_ns()
+        stamps = view.apply_sync(clock)
+        t1 = time.time_ns()
+        for r, stamp in zip(ranks, stamps):
+            rtt = t1 - t0
+            if r not in best or rtt < best[r][0]:
+                best[r] = (rtt, stamp - (t0 + t1) // 2)
+    return {r: offset for r, (_, offset) in best.items()}
+
+
+def status(cluster) -> list[dict[str, Any]]:
+    """:meth:`DistCluster.status`."""
+    from ..ui.text import fmt_bytes
+
+    rows = []
+    running = cluster.running
+    dead = cluster.dead_ranks() if running else {}
+    queue = {}
+    if running:
+        try:
+            queue = cluster.processes.client.queue_status()
+        except Exception:
+            queue = {}
+    idle = [
+        r.rank
+        for r in cluster.ranks
+        if r.rank not in dead and queue.get(r.engine_id, {}).get("queue", 0) == 0
+    ]
+    health: dict[int, Any] = {}
+    if idle:
+        try:
+            health = dict(apply(cluster, rt_bootstrap.health, ranks=idle, timeout=5))
+        except Exception:
+            health = {}
+    for r in cluster.ranks:
+        if not running:
+            state = cluster.state
+        elif r.rank in dead:
+            state = f"dead ({dead[r.rank]})"
+        elif r.rank in idle:
+            state = "idle"
+        else:
+            state = "busy"
+        h = health.get(r.rank)
+        pg = (
+            "unknown (busy)" if h is None else ("ok" if h.get("initialized") else "not initialised")
+        )
+        gpu = (h or {}).get("gpu")
+        rows.append(
+            dict(
+                rank=r.rank,
+                engine_id=r.engine_id,
+                host=r.host,
+                pid=r.pid,
+                device=r.device,
+                backend=r.backend,
+                state=state,
+                process_group=pg,
+                gpu=(
+                    f"{gpu['device']} {gpu['name']}, {fmt_bytes(gpu['allocated'])} / "
+                    f"{fmt_bytes(gpu['reserved'])} (peak {fmt_bytes(gpu['peak'])})"
+                    if gpu
+                    else ("" if not r.device.startswith("cuda") else "-")
+                ),
+            )
+        )
+    return rows

@@ -1,0 +1,326 @@
+"""The processes of a cluster: the ipyparallel controller and one engine per rank, started
+through a :class:`~notebook_dist.cluster.launchers.Launcher`, watched by the reaper (so a
+killed kernel leaves nothing), and ended by pid, only what was started here.
+
+Ranks are positions in :attr:`Processes.engine_ids`, never raw engine ids (ids change when
+engines restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+from ..config import DistConfig
+from ..errors import ClusterError, PreflightError
+from ..reaper import Reaper
+from ..runtime import bootstrap as rt_bootstrap
+from ..runtime import host as rt_host
+from . import engines
+from .launchers import Launcher
+
+log = logging.getLogger("notebook_dist")
+# ipyparallel logs through this logger (an engine's whole start-up log when it exits
+# badly, at WARNING): without a handler of its own, Python's last resort would print it
+# under the user's cell. The doctor says what a dead rank means; logging.basicConfig (or a
+# handler on "notebook_dist") shows these records to whoever wants them.
+log.addHandler(logging.NullHandler())
+
+
+class Processes:
+    """Start, watch and stop the controller and engines of one cluster."""
+
+    def __init__(self, config: DistConfig, launcher: Launcher):
+        self.config = config
+        self.launcher = launcher
+        self.here = rt_host.machine_id()
+        self.ipp = None  # the ipyparallel Cluster
+        self.client = None
+        self.engine_ids: list[int] = []  # in rank order
+        self.reaper: Reaper | None = None
+        self.profile_dir: str | None = None
+        self.ranks: list = []  # RankInfo, once the engines are ranks
+        #: rank -> the launcher of its engine (its exit code; for ssh, the way to its host)
+        self.rank_launchers: dict[int, Any] = {}
+        self._by_pid: dict[int, Any] = {}
+
+    # ---- starting ---------------------------------------------------------------------
+
+    def start(self, n: int) -> list[dict] | None:
+        """The controller, then ``n`` engines, until all registered. Returns the engines'
+        probes in rank order when the launcher orders ranks by them, else None."""
+        import ipyparallel as ipp
+        from traitlets.config import Config
+
+        self.profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
+        self.reaper = Reaper()
+        self.reaper.remove_on_exit(self.profile_dir)
+        launcher = self.launcher
+        cfg = Config()
+        section = getattr(cfg, launcher.ipp_class.__name__)
+        for key, value in launcher.settings(self.profile_dir).items():
+            setattr(section, key, value)
+        section.engine_cmd = launcher.engine_cmd()
+        section.environment = {**self.config.launch_env(), **launcher.environment()}
+        self.ipp = cluster = ipp.Cluster(
+            n=n,
+            profile_dir=self.profile_dir,
+            controller_ip=launcher.controller_ip(),
+            engine_launcher_class=launcher.ipp_class,
+            controller_args=[f"--HeartMonitor.period={int(self.config.heartbeat_ms)}"],
+            delay=0.0,
+            send_engines_connection_env=False,  # engines start with the controller and wait for its file
+            log=log,
+            load_profile=False,
+            engine_timeout=int(self.config.start_timeout_s),
+            config=cfg,
+            parent=None,
+        )
+        cluster.start_controller_sync()
+        self.reaper.watch(cluster.controller.pid, anchor=True)
+        try:
+            engine_set_id = cluster.start_engines_sync(n)
+        except Exception as exc:
+            said = launcher.start_failed(exc, cluster)
+            if said is None:
+                raise
+            raise said from None
+        engine_set = cluster.engines[engine_set_id]
+        launchers = list(getattr(engine_set, "launchers", {}).values())
+        for pid in launcher.watch_while_starting(engine_set, launchers):
+            self.reaper.watch(pid)
+        self.client = client = cluster.connect_client_sync()
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while len(client.ids) < n:
+            launcher.check_starting(engine_set, launchers, len(client.ids), n)
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"only {len(client.ids)} of {n} engines registered within "
+                    f"{self.config.start_timeout_s:.0f} s; engine logs are in {self.profile_dir}/log"
+                )
+            time.sleep(0.02)
+        self.engine_ids = sorted(client.ids)[:n]
+        self._by_pid = {el.pid: el for el in launchers if engines.is_local(el)}
+        if not launcher.ordered_by_probe:
+            return None
+        from ..plan import rank_order
+
+        # MPI rank, SLURM_PROCID or the place in --hosts, whichever engine registered first
+        probes = dict(zip(self.engine_ids, self.view(self.engine_ids).apply_sync(rt_host.probe)))
+        self.engine_ids = rank_order(probes)
+        return [probes[e] for e in self.engine_ids]
+
+    def ranks_joined(self, ranks: list) -> None:
+        """The engines are ranks now: each rank's launcher, and the pids the reaper watches
+        when the engines are not this process's children."""
+        self.ranks = ranks
+        for r in ranks:
+            self.rank_launchers[r.rank] = self._by_pid.get(r.pid)
+        if self.launcher.watch_rank_pids and self.reaper is not None:
+            for r in ranks:
+                self.reaper.watch(r.pid)
+
+    @property
+    def cluster_id(self) -> str:
+        return self.ipp.cluster_id
+
+    # ---- reaching the ranks -----------------------------------------------------------
+
+    def view(self, engine_ids: list[int]):
+        """A non-blocking view on these engines."""
+        view = self.client.direct_view(list(engine_ids))
+        view.block = False
+        return view
+
+    def rank_view(self, ranks: list[int]):
+        return self.view([self.engine_ids[r] for r in ranks])
+
+    def local(self, rank: int) -> bool:
+        """Whether the rank runs on this machine (its pid can be signalled here)."""
+        return self.ranks[rank].machine in ("", self.here)
+
+    def host_launcher(self, rank: int):
+        """The launcher of a rank on another host (its control files are there), else None."""
+        if not self.launcher.remote or self.local(rank):
+            return None
+        remote = [el for el in self.all_launchers() if not engines.is_local(el)]
+        return remote[rank] if rank < len(remote) else None
+
+    def control_file(self, rank: int, kind: str = "release") -> str:
+        """The file through which the notebook asks a rank's agent to release it
+        (``release``), or where the rank writes its stack on a fatal signal (``fault``)."""
+        os.makedirs(os.path.join(self.profile_dir, "control"), exist_ok=True)
+        return os.path.join(self.profile_dir, "control", f"{kind}-rank-{rank}")
+
+    # ---- watching ---------------------------------------------------------------------
+
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks whose engine process has ended, with how it ended."""
+        dead = {}
+        registered: set[int] | None = None
+        for r in self.ranks:
+            el = self.rank_launchers.get(r.rank)
+            if el is not None:
+                if el.exited.is_set():
+                    dead[r.rank] = engines.describe_exit(el.exit_code)
+            elif self.local(r.rank):  # started by mpiexec or someone else: no exit code
+                if not pid_running(r.pid):
+                    dead[r.rank] = "ended (its engine process is gone)"
+            else:
+                if registered is None:
+                    registered = set(self.client.ids) if self.client is not None else set()
+                if r.engine_id not in registered:
+                    dead[r.rank] = "stopped answering the controller's heartbeat"
+        return dead
+
+    def controller_alive(self) -> bool:
+        from ..reaper import _alive, process_start_time
+
+        controller = self.ipp.controller if self.ipp is not None else None
+        if controller is None:
+            return False
+        pid = controller.pid
+        return _alive(pid, "") and process_start_time(pid) != ""
+
+    def check_alive(self, ranks: list[int]) -> None:
+        """Refuse at once (nothing is sent) when the controller or a selected rank is gone."""
+        if not self.controller_alive():
+            raise ClusterError(
+                "the ipyparallel controller of this cluster is gone (it crashed or was killed), and its "
+                "engines were ended with it. Run %dist_restart for a fresh cluster (add --replay to rebuild your state)."
+            )
+        dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
+        if dead:
+            what = "; ".join(f"rank {r} {how}" for r, how in dead.items())
+            raise ClusterError(
+                f"{what}. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
+            )
+
+    # ---- stopping ---------------------------------------------------------------------
+
+    def all_launchers(self) -> list:
+        if self.ipp is None:
+            return []
+        out = []
+        for es in self.ipp.engines.values():
+            out.extend(getattr(es, "launchers", {}).values() or [es])  # mpiexec: the set itself
+        return out
+
+    def stop(self, also_remove: tuple[str | None, ...] = ()) -> None:
+        """Stop every process started here, by pid; remove the cluster's folders."""
+        # local processes only (a Slurm job has no pid; an ssh launcher's pid is remote)
+        launchers = self.all_launchers()  # (stopping the cluster forgets them)
+        pids = [getattr(el, "pid", None) for el in launchers if engines.is_local(el)]
+        pids += [r.pid for r in self.ranks if self.local(r.rank)]
+        if self.ipp is not None and self.ipp.controller is not None:
+            pids.append(self.ipp.controller.pid)
+        self._exit_idle_ranks()
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:
+                pass
+        if self.ipp is not None:
+            try:
+                self.ipp.stop_cluster_sync()
+            except Exception as exc:
+                log.debug("stop_cluster failed: %s", exc)
+            stop_loop_thread(self.ipp)
+            engines.remove_remote_dirs(launchers, also=self.profile_dir)
+            self.ipp.shutdown_atexit = False  # what it could not stop, we end below
+        # whatever ipyparallel did not stop, we do (by pid, only what we started)
+        from ..reaper import end_processes, process_start_time
+
+        end_processes({pid: process_start_time(pid) for pid in pids if pid})
+        if self.reaper is not None:
+            self.reaper.release()
+        for path in (self.profile_dir, *also_remove):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _exit_idle_ranks(self, wait_s: float = 2.0) -> None:
+        """Idle ranks end themselves at once: a rank's interpreter can take seconds to exit
+        on SIGTERM (joining torch's store and Gloo threads), which ipyparallel then waits
+        out. Busy or unreachable ranks are left to the TERM/KILL that follows."""
+        if self.client is None or not self.engine_ids:
+            return
+        launchers = [
+            el for el in self.rank_launchers.values() if el is not None and not el.exited.is_set()
+        ]
+        others = [
+            r.pid
+            for r in self.ranks
+            if self.rank_launchers.get(r.rank) is None and self.local(r.rank)
+        ]
+        if not launchers and not others:
+            return
+        try:
+            self.view(self.engine_ids).apply_async(rt_bootstrap.exit_now)
+        except Exception:
+            return
+        deadline = time.monotonic() + wait_s
+        for el in launchers:
+            el.exited.wait(max(0.0, deadline - time.monotonic()))
+        while any(pid_running(p) for p in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def pid_running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_loop_thread(obj) -> None:
+    """ipyparallel runs ``*_sync`` calls made inside a running event loop (a Jupyter
+    kernel) on a thread with its own loop, and never stops it: one thread and its
+    descriptors per cluster. Stop it with the cluster."""
+    thread = getattr(obj, "_async_thread", None)
+    loop = getattr(obj, "_thread_loop", None)
+    if thread is None or loop is None:
+        return
+    try:
+        loop.add_callback(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.close(all_fds=True)
+    except Exception as exc:  # a change in ipyparallel's internals must not break shutdown
+        log.debug("could not stop ipyparallel's loop thread: %s", exc)
+    obj._async_thread = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port(port: int, host: str) -> None:
+    """Refuse a rendezvous port that is out of range or already taken, before anything starts."""
+    if not 1 <= port <= 65535:
+        raise PreflightError(f"--port {port}: give a port number between 1 and 65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            where = host or "every interface"
+            raise PreflightError(
+                f"--port {port} is already in use on {where} ({exc.strerror}): choose "
+                "another port, or leave --port out to let the system pick a free one"
+            ) from None
+
+
+def check_python(python: str) -> None:
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise PreflightError(
+            f"the engines' Python {python!r} does not exist or is not executable: "
+            "set DistConfig.python to a Python with notebook_dist and torch installed"
+        )

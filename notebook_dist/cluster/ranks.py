@@ -1,0 +1,97 @@
+"""Engines become ranks: each is given torchrun's environment, its device and the
+interactive-safe settings, and joins the default process group (the rank side of this is
+``notebook_dist.runtime.bootstrap``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import DistConfig
+from ..errors import ClusterError
+from ..plan import ClusterPlan
+from ..runtime import bootstrap as rt_bootstrap
+from .processes import Processes, free_port
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    engine_id: int
+    host: str
+    pid: int
+    device: str
+    backend: str
+    machine: str = ""  # machine_id(): which ranks share a host with the notebook
+
+
+def rendezvous_port(processes: Processes, plan: ClusterPlan) -> int:
+    """A free port on rank 0's host: picked there when rank 0 is on another machine."""
+    addr = plan.ranks[0].env["MASTER_ADDR"]
+    if addr.startswith("127."):
+        return free_port()
+    return processes.client[processes.engine_ids[0]].apply_sync(free_port, addr)
+
+
+def join(
+    processes: Processes, plan: ClusterPlan, config: DistConfig, port: int | None
+) -> tuple[list[RankInfo], list[dict[str, Any]], list[str]]:
+    """Make every engine its rank of the plan. Returns the ranks, what each reported of its
+    start (import and init seconds; the benchmarks read them) and notes for the user (an
+    environment variable of theirs that the ranks override)."""
+    client = processes.client
+    port = port or rendezvous_port(processes, plan)
+    pending = []
+    for rp, eid in zip(plan.ranks, processes.engine_ids):
+        env = dict(rp.env, MASTER_PORT=str(port))
+        pending.append(
+            client[eid].apply_async(
+                rt_bootstrap.bootstrap,
+                env,
+                rp.device,
+                plan.backend,
+                config.timeout_s,
+                config.rank_overrides(),
+                processes.control_file(rp.rank),
+                config.publish_interval_s,
+            )
+        )
+    infos = []
+    for rank, ar in enumerate(pending):
+        try:
+            infos.append(ar.get(timeout=config.start_timeout_s))
+        except Exception as exc:
+            from .launchers import import_hint
+
+            message = remote_message(exc)
+            raise ClusterError(
+                f"rank {rank} could not join the process group: {message}"
+                + import_hint(message, config)
+            ) from None
+    ranks = [
+        RankInfo(rank, eid, i["host"], i["pid"], i["device"], i["backend"], i["machine"])
+        for rank, (i, eid) in enumerate(zip(infos, processes.engine_ids))
+    ]
+    overridden: dict[str, str] = {}
+    for info in infos:
+        overridden.update(info["overridden"])
+    notes = [
+        f"{key} was {old!r} in your environment; ranks use {config.rank_overrides()[key]!r} "
+        "(see notebook_dist.config)"
+        for key, old in sorted(overridden.items())
+    ]
+    return ranks, infos, notes
+
+
+def remote_message(exc: BaseException) -> str:
+    """The useful line of an ipyparallel RemoteError/CompositeError."""
+    try:
+        from ipyparallel import error as ipp_error
+
+        if isinstance(exc, ipp_error.CompositeError):
+            return "; ".join(f"{e[0]}: {e[1]}" for e in exc.elist)
+        if isinstance(exc, ipp_error.RemoteError):
+            return f"{exc.ename}: {exc.evalue}"
+    except Exception:
+        pass
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,129 @@
+"""Getting the ranks back: interrupting them, releasing them from collectives that cannot
+complete (the rank side is ``notebook_dist.runtime.recover``), rebuilding the process
+group with every rank's variables kept, reading where a rank that died was, and, when
+nothing else helps, fresh engines with the cells replayed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import Any, TextIO
+
+from ..errors import ClusterError
+from ..execute import PreparedCell
+from ..runtime import recover as rt_recover
+from . import engines
+from .ranks import rendezvous_port
+
+
+def interrupt(cluster, ranks: Any = None) -> None:
+    """SIGINT to the selected ranks (like the notebook's stop button)."""
+    processes = cluster.processes
+    for r in cluster.select(ranks):
+        if processes.local(r):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(cluster.ranks[r].pid, signal.SIGINT)
+        else:  # through the controller, which asks the engine's host
+            processes.client.send_signal(
+                signal.SIGINT, targets=[cluster.ranks[r].engine_id], block=False
+            )
+
+
+def release_collectives(cluster, ranks: list[int], token: str) -> None:
+    """Ask the ranks' agents to release them from their collectives, for the cell ``token``
+    only: through a control file on each rank's host (here, or written there over ssh)."""
+    processes = cluster.processes
+    writes = [(processes.host_launcher(r), processes.control_file(r)) for r in ranks]
+    for el, path in writes:
+        if el is None:
+            engines.write_on_host(None, path, token)
+    remote = [(el, path) for el, path in writes if el is not None]
+    if remote:  # ranks on other hosts: the hosts side by side
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(remote)) as pool:
+            for el, path in remote:
+                pool.submit(engines.write_on_host, el, path, token)
+
+
+def rebuild_process_group(cluster) -> float:
+    """A fresh default process group on every rank (after a release); returns seconds.
+
+    Raises :class:`ClusterError` naming the ranks whose CUDA context cannot be used any more
+    (only fresh engines can have their GPU again)."""
+    t0 = time.perf_counter()
+    port = rendezvous_port(cluster.processes, cluster.plan)
+    done = cluster.apply(rt_recover.reinit, port, timeout=60)
+    broken = {r: info["cuda_unusable"] for r, info in done.items() if info.get("cuda_unusable")}
+    if broken:
+        said = "; ".join(f"rank {r}: {why}" for r, why in sorted(broken.items()))
+        raise ClusterError(
+            f"the GPU cannot be used any more on {'rank' if len(broken) == 1 else 'ranks'} "
+            f"{', '.join(map(str, sorted(broken)))} ({said}). %dist_restart starts fresh "
+            "engines: every rank's variables are lost (add --replay to re-run your setup cells)"
+        )
+    return time.perf_counter() - t0
+
+
+def fault_report(cluster, rank: int) -> dict[str, Any]:
+    """Where a rank that died of a fatal signal was: its cell line and collective, if known
+    (Python's faulthandler wrote every thread's stack to its fault file)."""
+    from ..runtime.tracker import COLLECTIVES
+
+    processes = cluster.processes
+    path = processes.control_file(rank, "fault")
+    try:
+        text = engines.read_on_host(processes.host_launcher(rank), path)  # on the rank's host
+    except Exception:
+        return {}
+    section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
+    out: dict[str, Any] = {}
+    for line in section.splitlines():
+        line = line.strip()
+        if not line.startswith('File "'):
+            if out and not line:
+                break
+            continue
+        filename, _, rest = line[6:].partition('", line ')
+        num, _, func = rest.partition(" in ")
+        if "op" not in out and func in COLLECTIVES:
+            out["op"] = func
+        if filename.startswith("Cell In[") and "line" not in out:
+            out["file"], out["line"] = filename, int(num)
+    return out
+
+
+def restarted(cluster):
+    """Stop the cluster and return a fresh one with the same request (and history)."""
+    fresh = type(cluster)(
+        n=cluster.request["n"],
+        backend=cluster.request["backend"],
+        gpus=cluster.request["gpus"],
+        timeout=cluster.request["timeout"],
+        port=cluster.request["port"],
+        launcher=cluster.launcher.name,
+        config=cluster.config,
+        ssh_hosts=getattr(cluster.launcher, "hosts", None),
+    )
+    history = list(cluster.history)
+    cluster.shutdown()
+    fresh.start()
+    fresh.history = history
+    return fresh
+
+
+def replay(
+    cluster,
+    cells: list[PreparedCell],
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Re-run recorded cells in order; stops at (and raises) the first failure."""
+    done = 0
+    cluster.history = []
+    for prepared in cells:
+        cluster.run(prepared, out=out, err=err).raise_for_errors()
+        done += 1
+    return done

@@ -116,7 +116,8 @@ class DebugMagics(Magics):
             print(
                 msg
                 + (
-                    f"; {len(history)} earlier cells can be replayed with --replay."
+                    f"; {len(history)} earlier cell{'s' if len(history) != 1 else ''} can be "
+                    "replayed with --replay."
                     if history
                     else "."
                 )

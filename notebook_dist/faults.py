@@ -106,3 +106,34 @@ def kill(rank: int = 1, sig: int = signal.SIGKILL) -> None:
     _, dist = _dist()
     if dist.get_rank() == rank:
         os.kill(os.getpid(), sig)
+
+
+def p2p_deadlock() -> None:
+    """Every rank sends to the next before it receives from the previous: a ring of sends
+    in which no rank posts the receive another needs (Gloo's send waits for it)."""
+    torch, dist = _dist()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(4)
+    dist.send(t, dst=(rank + 1) % size)
+    dist.recv(t, src=(rank - 1) % size)
+
+
+def orphan_recv(rank: int = 1, src: int = 0) -> None:
+    """``rank`` waits to receive from ``src``, which never sends: it finishes the cell."""
+    torch, dist = _dist()
+    if dist.get_rank() == rank:
+        dist.recv(torch.empty(4), src=src)
+
+
+def library_collective(rank: int = 0) -> None:
+    """Only ``rank`` gathers a sharded DTensor (``full_tensor()`` runs an all_gather), as a
+    rank-0-only print or save of a sharded model would."""
+    torch, dist = _dist()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    weight = distribute_tensor(torch.arange(8.0, device=device).reshape(4, 2), mesh, [Shard(0)])
+    if dist.get_rank() == rank:
+        print(weight.full_tensor())

@@ -181,12 +181,14 @@ def pack_named(
 class RankValues(Mapping):
     """A read-only mapping rank -> value, one entry per rank that ran.
 
-    In [3]: %%distributed
-       ...: dist.get_rank() * 10
-    Out[3]: RankValues({0: 0, 1: 10})
+    For example::
 
-    In [4]: _[1]
-    Out[4]: 10
+        In [3]: %%distributed
+           ...: dist.get_rank() * 10
+        Out[3]: RankValues({0: 0, 1: 10})
+
+        In [4]: _[1]
+        Out[4]: 10
     """
 
     __slots__ = ("_data", "_name")

@@ -111,7 +111,7 @@ def test_widget_model_values_and_no_leaks(patched_comm):
     board.update(_state(20))
     value = board.view.value
     assert value.startswith(
-        "<div class='nd-dashboard nd-live' style='line-height:1.3'><div class='nd-header'>"
+        "<div class='nd-dashboard nd-live' style='line-height:1.3;overflow-x:auto'><div class='nd-header'>"
         "<b>2 ranks</b> · gloo · cpu · <span class='nd-wall'>3.2 s</span></div>"
     )
     cells = _cells(value)
@@ -149,7 +149,9 @@ def test_the_record_a_cell_keeps_draws_the_same_table():
 
     st = _state(50, "done")
     live, final = render_html(st, live=True), render_html(st)
-    assert final.startswith("<div class='nd-dashboard nd-final' style='line-height:1.3'>")
+    assert final.startswith(
+        "<div class='nd-dashboard nd-final' style='line-height:1.3;overflow-x:auto'>"
+    )
     assert final.replace("nd-final", "nd-live", 1) == live
 
 

@@ -145,6 +145,30 @@ def test_rank_finished_the_cell_while_others_wait(cluster):
         "Rank 0 called all_reduce #3 at line 4, but rank 1 finished the cell without calling it."
     )
     assert diag.rows[1]["state"] == "finished the cell"
+    assert (
+        "Line 4 is inside `for step in range(3 if nd.rank == 0 else 2):` (line 3), which runs a "
+        "different number of times on different ranks" in diag.verdict
+    )
+    assert_recovered(cluster)
+
+
+@pytest.mark.parametrize(
+    "fault, kind, culprits",
+    [
+        # the `if` is inside faults.py, not the cell: from the cell, two ops at one line
+        ("conditional_collective()", "mismatch", [0, 1]),
+        ("mismatched_ops()", "mismatch", [0, 1]),
+        ("finish_early()", "finished", [1]),
+        ("uneven_ddp()", "uneven", [1]),
+        ("p2p_deadlock()", "p2p-deadlock", [0, 1]),
+        ("orphan_recv()", "p2p-missing", [0]),
+        ("library_collective()", "library", [1]),  # no rank condition in the cell: the absent rank
+    ],
+)
+def test_each_teaching_fault_gets_its_verdict(cluster, fault, kind, culprits):
+    """``nd.faults`` reproduces each class in one line, for a class or a tutorial."""
+    diag, _ = run_until_verdict(cluster, f"nd.faults.{fault}\n")
+    assert (diag.kind, diag.culprits) == (kind, culprits), diag.verdict
     assert_recovered(cluster)
 
 

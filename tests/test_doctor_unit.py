@@ -1,6 +1,7 @@
 """The doctor as a pure function, on synthetic snapshots (3+ ranks, two process groups)."""
 
 from notebook_dist.doctor import diagnose, format_stacks, rank_condition
+from notebook_dist.doctor.facts import rank_loop
 
 CELL = "Cell In[4]"
 NOW = 1000.0
@@ -482,3 +483,19 @@ def test_a_verdict_never_contradicts_its_table(ranks, source):
     for r in d.culprits:  # every rank a verdict blames is a rank of the table
         assert r in ranks
     assert d.verdict and d.rule
+
+
+SOURCE_LOOP = "%%distributed\nt = torch.ones(1)\nfor step in range(3 if nd.rank == 0 else 2):\n    dist.all_reduce(t)\n"
+
+
+def test_a_loop_whose_length_depends_on_the_rank_is_named():
+    hist = [dict(rec(1, "all_reduce", 4), t1=1.0), dict(rec(2, "all_reduce", 4), t1=1.0)]
+    ranks = {0: running(rec(3, "all_reduce", 4), hist), 1: done(hist)}
+    d = diagnose(ranks, now=NOW, cell_file=CELL, source=SOURCE_LOOP)
+    assert d.kind == "finished" and d.culprits == [1] and d.line == 4
+    assert (
+        "Line 4 is inside `for step in range(3 if nd.rank == 0 else 2):` (line 3), which runs a "
+        "different number of times on different ranks" in d.verdict
+    )
+    assert rank_loop("while nd.rank < n:\n    x()\n", 2) == (1, "while nd.rank < n")
+    assert rank_loop("for i in range(3):\n    x()\n", 2) is None  # not about the rank

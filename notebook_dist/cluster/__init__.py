@@ -46,8 +46,8 @@ class DistCluster:
     """A set of ranks, one ipyparallel engine each, with the default process group ready.
 
     ``DistCluster(n=None, backend="auto", gpus=None, timeout=None)`` decides the layout
-    at once (raising :class:`PreflightError` for a request that cannot work) and starts
-    nothing until :meth:`start`.
+    at once (raising :class:`~notebook_dist.errors.PreflightError` for a request that cannot
+    work) and starts nothing until :meth:`start`.
     """
 
     def __init__(
@@ -219,8 +219,8 @@ class DistCluster:
     ) -> CellResult:
         """Run a cell on the selected ranks at once, streaming their output live.
 
-        Returns a :class:`CellResult`; call ``raise_for_errors()`` to raise
-        :class:`RankError` if any rank raised. A syntax error raises before any rank runs.
+        Returns a :class:`~notebook_dist.execute.CellResult`; call ``raise_for_errors()`` to
+        raise :class:`~notebook_dist.errors.RankError` if any rank raised. A syntax error raises before any rank runs.
         While it runs, a hang longer than ``hang_after`` seconds prints a diagnosis, and a
         rank that raises or dies while others wait in a collective gets them released.
         ``profile``: run it under torch.profiler on every rank; ``result.profile`` is then

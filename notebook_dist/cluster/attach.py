@@ -70,11 +70,12 @@ class AttachedProcesses(Processes):
 
 
 class AttachedCluster(DistCluster):
-    """A :class:`DistCluster` on the engines of a running ipyparallel cluster.
+    """A :class:`~notebook_dist.DistCluster` on the engines of a running ipyparallel cluster.
 
     Connecting, counting the engines and finding their hosts happen at construction
-    (a missing cluster or a request that cannot work raises :class:`PreflightError`);
-    :meth:`start` makes them ranks.
+    (a missing cluster or a request that cannot work raises
+    :class:`~notebook_dist.errors.PreflightError`); :meth:`~notebook_dist.DistCluster.start`
+    makes them ranks.
     """
 
     def __init__(

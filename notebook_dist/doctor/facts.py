@@ -146,6 +146,35 @@ def rank_condition(
     return found
 
 
+def rank_loop(source: str | None, line: int | None, first_line: int = 1) -> tuple[int, str] | None:
+    """If ``line`` sits inside a ``for`` or ``while`` loop whose iterable or test mentions the
+    rank (so it runs a different number of times on different ranks): (loop line, its
+    header without the colon)."""
+    if not source or line is None:
+        return None
+    body = "\n".join(source.splitlines()[first_line - 1 :])
+    try:
+        tree = ast.parse(body)
+    except SyntaxError:
+        return None
+    found = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For):
+            header = f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}"
+            ranked = ast.unparse(node.iter)
+        elif isinstance(node, ast.While):
+            header = ranked = f"while {ast.unparse(node.test)}"
+        else:
+            continue
+        if not any(w in ranked for w in RANK_WORDS):
+            continue
+        start = node.lineno + first_line - 1
+        end = (node.end_lineno or node.lineno) + first_line - 1
+        if start < line <= end and (found is None or start > found[0]):
+            found = (start, header)
+    return found
+
+
 def records(snap: dict) -> list[dict]:
     """The tracked collectives of a snapshot (completed and current), in order."""
     recs = [r for r in (snap.get("history") or []) if r.get("kind") != "p2p"]
@@ -283,6 +312,9 @@ class Facts:
 
     def condition(self, line: int | None) -> tuple[int, str] | None:
         return rank_condition(self.source, line, self.first_line)
+
+    def loop(self, line: int | None) -> tuple[int, str] | None:
+        return rank_loop(self.source, line, self.first_line)
 
     def wait_line(self, r: int) -> int | None:
         """The cell line of what rank r waits in."""

@@ -99,7 +99,7 @@ def debug(frame_index: int, expr: str | None) -> dict[str, Any]:
             if not (k.startswith("__") and k.endswith("__"))
             and not (
                 frame.f_code.co_name == "<module>"
-                and k in ("torch", "dist", "nd", "In", "Out", "exit", "quit", "get_ipython")
+                and k in ("torch", "dist", "nd", "In", "Out", "exit", "quit", "get_ipython", "open")
             )
         },
     }

@@ -106,7 +106,8 @@ def render_html(st: DashboardState, live: bool = False) -> str:
     ths = "".join(f"<th style='{_CELL}'>{c}</th>" for c in COLUMNS)
     return (
         # the line height is set here: a widget's HTML would inherit a 28 px one
-        f"<div class='nd-dashboard {'nd-live' if live else 'nd-final'}' style='line-height:1.3'>"
+        # (overflow: a page narrower than the table scrolls it rather than cutting it)
+        f"<div class='nd-dashboard {'nd-live' if live else 'nd-final'}' style='line-height:1.3;overflow-x:auto'>"
         f"<div class='nd-header'>{head}</div><table style='font-size:12px;border-collapse:collapse'>"
         f"<thead><tr>{ths}</tr></thead><tbody>{rows}</tbody></table>{verdict}</div>"
     )

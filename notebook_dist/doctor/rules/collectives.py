@@ -138,10 +138,14 @@ def divergence(f: Facts) -> Diagnosis | None:
             present,
             line_of(next(iter(present.values())).get("where")),
         )
-    return make(
-        f,
-        "finished",
-        base + " Look for a loop or branch whose length depends on the rank or its data.",
-        missing,
-        line_of(next(iter(present.values())).get("where")),
-    )
+    line = line_of(next(iter(present.values())).get("where"))
+    loop = f.loop(line)
+    if loop:
+        said = (
+            f" Line {line} is inside `{loop[1]}:` (line {loop[0]}), which runs a different number "
+            "of times on different ranks: make every rank run it as often (the same count on every "
+            "rank), or take the collective out of it."
+        )
+    else:
+        said = " Look for a loop or branch whose length depends on the rank or its data."
+    return make(f, "finished", base + said, missing, line)

@@ -6,8 +6,10 @@ asks the OS), and finalizers that stop every process a fixture started, by pid.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -15,6 +17,9 @@ import threading
 
 # before IPython or ipyparallel are imported anywhere
 os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="nd-ipython-")
+# removed at exit, after the session's IPython shell has written its history there (exit
+# callbacks run last-registered first, and IPython registers its own later)
+atexit.register(shutil.rmtree, os.environ["IPYTHONDIR"], ignore_errors=True)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["JUPYTER_PLATFORM_DIRS"] = "1"
 
@@ -131,6 +136,13 @@ def rank_table(stdout: str) -> list[str]:
 
 def python_exe() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def executed_notebooks(tmp_path_factory):
+    """Where the tutorial tests leave each executed notebook, for the site to show (and
+    not execute again): tests/test_site.py builds it from these."""
+    return tmp_path_factory.mktemp("executed-notebooks")
 
 
 @pytest.fixture

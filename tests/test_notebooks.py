@@ -64,7 +64,7 @@ def _errors(cell) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def run_notebook(tmp_path_factory):
+def run_notebook(tmp_path_factory, executed_notebooks):
     def _run(name: str):
         nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
         assert nb.metadata["kernelspec"]["name"] == "python3"
@@ -84,6 +84,7 @@ def run_notebook(tmp_path_factory):
                 f"cell {cell.id}: errors {errs}, tagged {tagged}:\n{cell.source}"
             )
         assert _warnings(nb.cells) == [], f"{name} prints warnings"
+        nbformat.write(nb, executed_notebooks / f"{name}.ipynb")  # for the site
         return nb
 
     return _run

@@ -1,0 +1,160 @@
+"""The documentation site, built as the README says, with warnings as errors: a broken
+cross-reference or internal link, or a cell that raises where it should not, fails it.
+
+The tutorials come in as the tutorial tests executed them (tests/test_notebooks.py leaves
+them in the ``executed_notebooks`` folder); the hang catalogue and the troubleshooting page
+run at build time. Then the pages are checked, and a tutorial's dashboard record is looked
+at in Chromium, with no kernel.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the build comes first
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+TUTORIALS = sorted(p.stem for p in (REPO / "notebooks").glob("*.ipynb"))
+
+
+def text_of(page: Path) -> str:
+    """What a reader sees of a page: its text, without tags or entities."""
+    return html.unescape(re.sub(r"<[^>]+>", "", page.read_text()))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory, executed_notebooks) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NOTEBOOK_DIST_EXECUTED=str(executed_notebooks), OMP_NUM_THREADS="1")
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-b",
+            "html",
+            "-d",
+            str(out / "doctrees"),
+            "docs",
+            str(out / "html"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-6000:]
+    return out / "html"
+
+
+def test_the_site_builds_with_warnings_as_errors(site):
+    for page in (
+        "index",
+        "guide",
+        "benchmarks",
+        "hangs",
+        "troubleshooting",
+        "beyond",
+        "reference/magics",
+        "reference/api",
+    ):
+        assert (site / f"{page}.html").exists(), page
+    index = text_of(site / "index.html")
+    readme = (REPO / "README.md").read_text()
+    commands = re.findall(r"```bash\n(python3 -m venv .+?)\n```", readme)
+    assert len(commands) == 2
+    for command in commands:
+        assert command in index  # the two set-up commands, from the README
+    assert "images/dashboard.png" in (site / "index.html").read_text()
+
+
+def test_every_tutorial_is_rendered_with_its_outputs(site):
+    for name in TUTORIALS:
+        page = (site / "tutorials" / f"{name}.html").read_text()
+        assert "cell_output" in page, f"{name} has no outputs on its page"
+        assert "Traceback (most recent call last)" not in page or name == "06_debugging_hangs", name
+    ddp = (site / "tutorials" / "03_ddp.html").read_text()
+    assert "nd-dashboard nd-final" in ddp  # the dashboard's record, static, in the page
+
+
+def test_the_magic_reference_is_made_from_every_magic(site, ip):
+    page = (site / "reference" / "magics.html").read_text()
+    magics = ip.magics_manager.magics
+    ours = {
+        name
+        for kind in ("line", "cell")
+        for name, fn in magics[kind].items()
+        if getattr(getattr(fn, "__self__", None), "__module__", "").startswith(
+            "notebook_dist.magics"
+        )
+    }
+    assert {"dist_init", "distributed", "dist_bench", "dist_profile", "dist_export"} <= ours
+    for name in ours:
+        assert re.search(rf"<code[^>]*><span class=\"pre\">%%?{name}</span>", page), name
+    assert "--hang-after" in page and "number of ranks (default: one per GPU, or 2 on CPU)" in page
+
+
+def test_the_hang_catalogue_shows_each_verdict_as_printed(site):
+    page = text_of(site / "hangs.html")
+    for said in (
+        "Line 4 is inside `if nd.rank == 0:` (line 3)",
+        "are in a point-to-point deadlock",
+        "but rank 0 finished the cell without sending to it",
+        "a collective torch issued inside full_tensor()",
+        "the ranks ran different numbers of steps (uneven data per rank)",
+        "Rank 1 is busy in Python",
+        "rank 1 was killed by SIGKILL",
+        "was killed by SIGABRT in all_reduce at line 2",
+    ):
+        assert said in page, said
+
+
+def test_the_troubleshooting_page_shows_the_projects_own_messages(site):
+    page = text_of(site / "troubleshooting.html")
+    for said in (
+        "--port 70000: give a port number between 1 and 65535",
+        "start the engines with ipyparallel's own launcher",
+        "ranks 2, 3, 4, 5 not in this cluster",
+        "is not defined on ranks 0, 1",
+        "this init_process_group() call is skipped",
+    ):
+        assert said in page, said
+
+
+@pytest.mark.browser
+def test_a_tutorial_page_shows_the_dashboard_record_in_chromium(site, tmp_path):
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("NOTEBOOK_DIST_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium")
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto((site / "tutorials" / "03_ddp.html").as_uri())
+            record = page.locator(".nd-dashboard.nd-final").last
+            record.scroll_into_view_if_needed()
+            assert record.is_visible()
+            rows = record.locator("tr.nd-rank-row")
+            assert rows.count() == 2 and "done" in rows.first.inner_text()
+            record.screenshot(path=str(tmp_path / "record.png"))
+            assert (tmp_path / "record.png").stat().st_size > 1000
+        finally:
+            browser.close()

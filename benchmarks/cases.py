@@ -326,9 +326,11 @@ def _widget_feed():
             pass
 
     ipw_comm.create_comm = lambda **kw: NullComm(**kw)
-    board = WidgetDashboard()
-    board._handle = type("H", (), {"update": lambda self, x: None})()  # no display outside a kernel
-    return DashboardFeed(board)
+    class NoFrontEnd:  # the display handle of a page nobody looks at
+        def update(self, obj):
+            pass
+
+    return DashboardFeed(WidgetDashboard(display=lambda obj: NoFrontEnd()))
 
 
 def training(cluster, steps: int, reps: int) -> dict:

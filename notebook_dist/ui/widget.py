@@ -24,19 +24,18 @@ class WidgetDashboard:
     line of summary. ``quiet_s=0`` shows the full table for every cell.
     """
 
-    def __init__(self, quiet_s: float = 0.0) -> None:
+    def __init__(self, quiet_s: float = 0.0, display=None) -> None:
         self.quiet_s = quiet_s
         self.view: W.HTML | None = None
         self._handle = None
+        self._display = display  # where the view goes: IPython's display (the default)
 
     def update(self, st: DashboardState) -> None:
         if self.view is None:
             if not st.worth_a_table(self.quiet_s):
                 return
-            from IPython.display import display
-
             self.view = W.HTML()
-            self._handle = display(self.view, display_id=True)
+            self._handle = self._show(self.view)
         self.view.value = render_html(st, live=True)  # unchanged text sends nothing
 
     def close(self, st: DashboardState) -> None:
@@ -46,13 +45,18 @@ class WidgetDashboard:
         else:
             record = DashboardRecord(render_html(st), render_text(st))
         if self._handle is None:
-            from IPython.display import display
-
-            self._handle = display(record, display_id=True)
+            self._handle = self._show(record)
         else:
             self._handle.update(record)
         for w in self.widgets():
             w.close()
+
+    def _show(self, obj):
+        if self._display is not None:
+            return self._display(obj)
+        from IPython.display import display
+
+        return display(obj, display_id=True)
 
     def widgets(self) -> list:
         """Every widget this dashboard made (for leak checks): the view, its Layout and Style."""

@@ -326,6 +326,7 @@ def _widget_feed():
             pass
 
     ipw_comm.create_comm = lambda **kw: NullComm(**kw)
+
     class NoFrontEnd:  # the display handle of a page nobody looks at
         def update(self, obj):
             pass

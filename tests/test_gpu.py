@@ -6,6 +6,10 @@ CUDA, an NCCL group aborted and rebuilt with the namespace kept, a rank in a lon
 diagnosed as busy on the GPU and interrupted, Gloo ranks sharing the GPU with CUDA
 tensors, and the CUDA memory the dashboard and %dist_status show. Two or more: the
 conditional-collective hang on NCCL, diagnosed at its line and released with state kept.
+
+For a lent GPU machine (no network, no Jupyter stack), pack from the project's root with
+``GPU_PACK_EXTRA=hypothesis bash ../shared/tools/gpu-pack.sh`` (two test modules import
+hypothesis, and collection should not fail on them) and run the command it prints.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from .runtime.profiler import union
 from .table import format_table
 
 # nccl-tests (PERFORMANCE.md): algbw = S / t with S the "size" of each op's test, and
@@ -232,16 +233,6 @@ def _length(intervals: list[tuple[int, int]]) -> int:
     return sum(e - s for s, e in intervals)
 
 
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
 def _minus(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of the (merged) intervals ``a`` that no interval of ``b`` covers."""
     out = []
@@ -322,9 +313,9 @@ def analyze(
         colls = [(at(r, c["arrive"]), at(r, c["end"])) for c in p["collectives"]]
         colls = [(max(s, start), min(e, end)) for s, e in colls if e > s]
         busy = [(at(r, s), at(r, e)) for s, e in p["busy"]]
-        in_colls = _union(colls)
-        exposed = _minus(in_colls, _union(busy))
-        waited = _union(waiting[r])
+        in_colls = union(colls)
+        exposed = _minus(in_colls, union(busy))
+        waited = union(waiting[r])
         wall = max(0, end - start)
         ranks[r] = RankTime(
             rank=r,

@@ -140,7 +140,7 @@ class CellProfile:
             "start": self.t_start,
             "end": self.t_end,
             "collectives": collectives,
-            "busy": _union([(s, e) for s, e in busy if e > s]),
+            "busy": union([(s, e) for s, e in busy if e > s]),
             "trace": trace[:MAX_EVENTS],
             "cuda": self.cuda,
         }
@@ -240,7 +240,8 @@ def _join(entries: list[dict], runs: list[tuple[str, int, int]], tracked: list[d
     return out
 
 
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping or touching intervals merged, sorted (the profile's kernel side uses it too)."""
     out: list[tuple[int, int]] = []
     for s, e in sorted(intervals):
         if out and s <= out[-1][1]:

@@ -4,7 +4,8 @@ why it skips when there is too little hardware.
 One GPU: NCCL at world size 1, CUDA tensors gathered to the kernel's CPU, DDP and FSDP2 on
 CUDA, an NCCL group aborted and rebuilt with the namespace kept, a rank in a long kernel
 diagnosed as busy on the GPU and interrupted, Gloo ranks sharing the GPU with CUDA
-tensors, and the CUDA memory the dashboard and %dist_status show. Two or more: the
+tensors, the CUDA memory the dashboard and %dist_status show, a profile with the GPU's
+exposed communication, and %dist_bench on NCCL. Two or more: the
 conditional-collective hang on NCCL, diagnosed at its line and released with state kept.
 
 For a lent GPU machine (no network, no Jupyter stack), pack from the project's root with
@@ -183,6 +184,34 @@ def test_gloo_ranks_sharing_one_gpu_use_cuda_tensors():
         assert all(
             torch.equal(v, torch.full((2,), float(cluster.world_size))) for v in r.values.values()
         )
+
+
+def test_a_profile_on_cuda_records_the_gpu_and_exposed_communication(one_gpu):
+    r = one_gpu.run(
+        "x = torch.randn(512, 512, device=nd.device)\n"
+        "for _ in range(10):\n"
+        "    y = x @ x\n"
+        "    dist.all_reduce(y)\n"
+        "y.sum().item()",
+        profile=True,
+    )
+    r.raise_for_errors()
+    p = r.profile
+    assert p.cuda and "exposed" in p.text()
+    assert {o.op: o.count for o in p.ops}.get("all_reduce") == 10, p.text()
+    rank = p.ranks[0]
+    assert rank.wall_s > 0 and 0 <= rank.exposed_s <= rank.collectives_s + 1e-9
+
+
+def test_dist_bench_runs_on_nccl(one_gpu):
+    from notebook_dist.bench import bench
+
+    result = bench(one_gpu, ["all_reduce", "broadcast"], sizes="1M-4M")
+    assert result.backend == "nccl"
+    assert {(row.op, row.bytes) for row in result.rows} == {
+        (op, size) for op in ("all_reduce", "broadcast") for size in (1 << 20, 1 << 21, 1 << 22)
+    }
+    assert all(row.seconds > 0 and row.algbw > 0 for row in result.rows)
 
 
 def test_the_dashboard_and_status_show_the_gpu_and_its_memory(one_gpu):

@@ -357,7 +357,10 @@ class CellWatch:
         try:
             took = self.cluster.rebuild_process_group()
         except ClusterError as exc:
-            self.outcome = f"The process group could not be rebuilt ({exc}); run %dist_restart."
+            self.outcome = (
+                f"The process group could not be rebuilt ({exc}); the next cell tries again "
+                "(%dist_restart starts fresh ranks)."
+            )
             stream.write(f"notebook_dist: {self.outcome[0].lower()}{self.outcome[1:]}\n")
             return
         self.outcome = (

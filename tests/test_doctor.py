@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import socket
 import time
 
 import pytest
@@ -27,8 +28,10 @@ def doc_cluster():
 
 @pytest.fixture
 def cluster(doc_cluster):
+    """The module's cluster, replaced when a test before left it without a rank or a group
+    (that test fails; the ones after it still test what they say)."""
     c = doc_cluster["c"]
-    if c.dead_ranks():
+    if c.dead_ranks() or c.group_lost:
         doc_cluster["c"] = c = c.restarted()
     return c
 
@@ -373,3 +376,104 @@ def test_restart_with_replay_rebuilds_state(cluster, doc_cluster):
     assert fresh.replay(list(fresh.history)) == n_hist
     r = fresh.run("scaled(2)")
     assert torch.equal(r.values[1], (torch.arange(3.0) + 1) * 2)
+
+
+# ---- rebuilding the group ---------------------------------------------------------------
+
+
+@pytest.fixture
+def taken_port():
+    """A port another socket holds: rank 0's store cannot bind it, nobody accepts on it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+def _rebuild_on_ports(monkeypatch, ports: list[int]):
+    """The rebuild's next rendezvous ports, then free ones; a short rendezvous."""
+    from notebook_dist.cluster import recovery
+
+    real = recovery.rendezvous_port
+    monkeypatch.setattr(recovery, "rendezvous_port", lambda *a: ports.pop(0) if ports else real(*a))
+    monkeypatch.setattr(recovery, "REBUILD_RENDEZVOUS_S", 3.0)
+
+
+def test_a_rebuild_that_fails_is_tried_again_on_a_fresh_port(cluster, monkeypatch, taken_port):
+    """The port picked for the new group was taken meanwhile (a busy machine hands out
+    ports fast): the rebuild tries again, and the ranks keep their group and variables."""
+    cluster.run("kept = nd.rank + 1").raise_for_errors()
+    _rebuild_on_ports(monkeypatch, [taken_port])
+    out = io.StringIO()
+    r = cluster.run("nd.faults.raise_on(rank=1, after_s=0.3)", out=out)
+    assert list(r.errors) == [1] and r.released == [0], out.getvalue()
+    assert "every rank kept its variables and the process group was rebuilt" in out.getvalue()
+    assert cluster.group_lost is None
+    assert dict(cluster.run("kept").values) == {0: 1, 1: 2}
+    assert_recovered(cluster)
+
+
+def test_a_group_that_could_not_be_rebuilt_is_rebuilt_before_the_next_cell(
+    cluster, monkeypatch, taken_port
+):
+    cluster.run("kept = nd.rank + 1").raise_for_errors()
+    _rebuild_on_ports(monkeypatch, [taken_port, taken_port])
+    out = io.StringIO()
+    r = cluster.run("nd.faults.raise_on(rank=1, after_s=0.3)", out=out)
+    assert list(r.errors) == [1]
+    said = out.getvalue()
+    assert "the process group could not be rebuilt (rank 0: " in said, said
+    assert "the next cell tries again (%dist_restart starts fresh ranks)" in said
+    assert cluster.group_lost.startswith("rebuilding it failed 2 times (rank 0: ")
+    # the next cell: the group is made again first, with every variable kept
+    out = io.StringIO()
+    r = cluster.run("kept", out=out)
+    assert dict(r.values) == {0: 1, 1: 2}
+    assert "the process group was missing (rebuilding it failed 2 times" in out.getvalue()
+    assert "rebuilt before this cell" in out.getvalue()
+    assert cluster.group_lost is None
+    assert_recovered(cluster)
+
+
+LATE_CTRL_C = """
+import signal
+from notebook_dist.runtime import group, recover
+
+real = group.init_default_group
+
+
+def late(*args, **kwargs):
+    signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, arriving now
+    return real(*args, **kwargs)
+
+
+group.init_default_group = late
+try:
+    done = recover.reinit(PORT, 10.0)
+finally:
+    group.init_default_group = real
+done
+"""
+
+
+def test_a_late_ctrl_c_cannot_land_inside_the_rebuild(cluster):
+    """A Ctrl-C sent to a rank whose cell ended meanwhile must not break the rebuild that
+    follows: between destroying the old group and making the new one there is no group."""
+    from notebook_dist.cluster.ranks import rendezvous_port
+
+    port = rendezvous_port(cluster.processes, cluster.plan)
+    r = cluster.run(LATE_CTRL_C.replace("PORT", str(port)))
+    r.raise_for_errors()
+    assert all("reinit_s" in info for info in r.values.values()), dict(r.values)
+    assert_recovered(cluster)
+
+
+def test_a_release_asked_for_a_cell_that_ended_closes_nothing(cluster):
+    """The agent's check and its release are one step with respect to a rebuild: a request
+    that names a cell no longer running (or another cell) leaves the group alone."""
+    from notebook_dist.runtime.recover import release_cell
+
+    cluster.run("1").raise_for_errors()
+    ended = cluster.last_watch.token
+    assert dict(cluster.apply(release_cell, ended)) == {0: None, 1: None}
+    assert dict(cluster.apply(release_cell, "another cell")) == {0: None, 1: None}
+    assert_recovered(cluster)

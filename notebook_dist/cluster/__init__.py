@@ -108,6 +108,8 @@ class DistCluster:
         self.shm_dir: str | None = None  # tmpfs folder for large tensors (local clusters)
         #: cells that ran cleanly on every rank since start, for %dist_restart --replay
         self.history: list[PreparedCell] = []
+        #: why the ranks have no process group (a rebuild failed); the next cell tries again
+        self.group_lost: str | None = None
 
     def _processes(self) -> Processes:
         return Processes(self.config, self.launcher)

@@ -17,6 +17,7 @@ from ..runtime import cell as rt_cell
 from ..values import RankValues, pack_named, unpack
 from ..watch import CellWatch
 from .ranks import remote_message
+from .recovery import regain_group
 
 
 def run(
@@ -42,6 +43,8 @@ def run(
     gather = list(gather)
     if on_hang not in ("show", "stop"):
         raise ValueError("on_hang must be 'show' or 'stop'")
+    if cluster.group_lost:
+        regain_group(cluster, out)
     offsets: dict[int, int] = {}
     request: tuple = ()
     if profile:  # the ranks' clocks against the kernel's, to put them on one timeline

@@ -11,7 +11,8 @@ from ..config import DistConfig
 from ..errors import ClusterError
 from ..plan import ClusterPlan
 from ..runtime import bootstrap as rt_bootstrap
-from .processes import Processes, free_port
+from ..runtime import group as rt_group
+from .processes import Processes
 
 
 @dataclass
@@ -26,11 +27,10 @@ class RankInfo:
 
 
 def rendezvous_port(processes: Processes, plan: ClusterPlan) -> int:
-    """A free port on rank 0's host: picked there when rank 0 is on another machine."""
+    """The port of the store rank 0 is to host: its engine opens the socket now and keeps
+    it listening, so no other process can take the port before the store starts."""
     addr = plan.ranks[0].env["MASTER_ADDR"]
-    if addr.startswith("127."):
-        return free_port()
-    return processes.client[processes.engine_ids[0]].apply_sync(free_port, addr)
+    return processes.client[processes.engine_ids[0]].apply_sync(rt_group.open_rendezvous, addr)
 
 
 def join(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from typing import Any, TextIO
 
@@ -15,7 +16,7 @@ from ..errors import ClusterError
 from ..execute import PreparedCell
 from ..runtime import recover as rt_recover
 from . import engines
-from .ranks import rendezvous_port
+from .ranks import remote_message, rendezvous_port
 
 
 def interrupt(cluster, ranks: Any = None) -> None:
@@ -48,23 +49,68 @@ def release_collectives(cluster, ranks: list[int], token: str) -> None:
                 pool.submit(engines.write_on_host, el, path, token)
 
 
-def rebuild_process_group(cluster) -> float:
+#: how long ranks wait for each other to meet when the group is rebuilt (they are all
+#: alive and idle by then: a rank that is not there in this time is not coming)
+REBUILD_RENDEZVOUS_S = 30.0
+
+
+def rebuild_process_group(cluster, attempts: int = 2) -> float:
     """A fresh default process group on every rank (after a release); returns seconds.
 
-    Raises :class:`ClusterError` naming the ranks whose CUDA context cannot be used any more
-    (only fresh engines can have their GPU again)."""
+    A rebuild that fails on some rank (its port taken meanwhile, say) is tried again on a
+    fresh port. Raises :class:`ClusterError` saying what each rank ran into, and naming the
+    ranks whose CUDA context cannot be used any more (only fresh engines can have their GPU
+    again); until a rebuild succeeds, ``cluster.group_lost`` says why there is no group."""
     t0 = time.perf_counter()
-    port = rendezvous_port(cluster.processes, cluster.plan)
-    done = cluster.apply(rt_recover.reinit, port, timeout=60)
-    broken = {r: info["cuda_unusable"] for r, info in done.items() if info.get("cuda_unusable")}
-    if broken:
-        said = "; ".join(f"rank {r}: {why}" for r, why in sorted(broken.items()))
+    failed: dict[int, str] = {}
+    for attempt in range(1, attempts + 1):
+        try:
+            port = rendezvous_port(cluster.processes, cluster.plan)
+            done = cluster.apply(
+                rt_recover.reinit, port, REBUILD_RENDEZVOUS_S, timeout=REBUILD_RENDEZVOUS_S + 30
+            )
+        except Exception as exc:  # no answer from a rank (or an interrupt before reinit ran)
+            if attempt < attempts:
+                continue
+            why = str(exc) if isinstance(exc, ClusterError) else remote_message(exc)
+            cluster.group_lost = f"rebuilding it failed {attempts} times ({why})"
+            raise ClusterError(why) from None
+        broken = {r: info["cuda_unusable"] for r, info in done.items() if info.get("cuda_unusable")}
+        if broken:
+            said = "; ".join(f"rank {r}: {why}" for r, why in sorted(broken.items()))
+            cluster.group_lost = f"the GPU cannot be used any more ({said})"
+            raise ClusterError(
+                f"the GPU cannot be used any more on {'rank' if len(broken) == 1 else 'ranks'} "
+                f"{', '.join(map(str, sorted(broken)))} ({said}). %dist_restart starts fresh "
+                "engines: every rank's variables are lost (add --replay to re-run your setup cells)"
+            )
+        failed = {r: info["error"] for r, info in done.items() if info.get("error")}
+        if not failed:
+            cluster.group_lost = None
+            return time.perf_counter() - t0
+    said = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+    cluster.group_lost = f"rebuilding it failed {attempts} times ({said})"
+    raise ClusterError(said)
+
+
+def regain_group(cluster, out: TextIO | None = None) -> None:
+    """Before a cell, when the last rebuild failed: rebuild the group now (every rank keeps
+    its variables), or refuse the cell at once, saying what to do, rather than let it fail
+    on every rank, or wait in a rendezvous, for want of a group."""
+    why = cluster.group_lost
+    try:
+        took = rebuild_process_group(cluster)
+    except ClusterError as exc:
         raise ClusterError(
-            f"the GPU cannot be used any more on {'rank' if len(broken) == 1 else 'ranks'} "
-            f"{', '.join(map(str, sorted(broken)))} ({said}). %dist_restart starts fresh "
-            "engines: every rank's variables are lost (add --replay to re-run your setup cells)"
-        )
-    return time.perf_counter() - t0
+            f"the ranks have no process group: rebuilding it failed ({exc}). %dist_restart "
+            "starts fresh ranks (add --replay to re-run your setup cells)."
+        ) from None
+    stream = out or sys.stdout
+    stream.write(
+        f"notebook_dist: the process group was missing ({why}); rebuilt before this cell "
+        f"({took:.2f} s), every rank kept its variables.\n"
+    )
+    stream.flush()
 
 
 def fault_report(cluster, rank: int) -> dict[str, Any]:

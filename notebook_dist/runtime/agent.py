@@ -238,7 +238,7 @@ class Agent(threading.Thread):
             return None
 
     def run(self) -> None:
-        from .recover import abort_collectives
+        from .recover import release_cell
 
         while not self.stopped.wait(TICK_S):
             try:
@@ -247,11 +247,9 @@ class Agent(threading.Thread):
                     self._control_mtime = mtime
                     # only for the cell it names, and only while that cell runs: a late
                     # request must never close the connections of a rebuilt group
-                    if (
-                        STATE.cell_state == "running"
-                        and self._requested_token() == STATE.cell_token
-                    ):
-                        STATE.extras["released"] = abort_collectives()
+                    released = release_cell(self._requested_token() or "")
+                    if released is not None:
+                        STATE.extras["released"] = released
                 now = time.monotonic()
                 if STATE.cell_state == "running" and now - self._last_publish >= self.interval:
                     self._last_publish = now

@@ -81,11 +81,42 @@ def destroy_default_group() -> None:
         _originals.get("destroy", dist.destroy_process_group)()
 
 
+#: rank 0's store sockets, bound and listening before the port was handed to the others
+_listening: dict[int, socket.socket] = {}
+
+
+def _listening_socket(addr: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def open_rendezvous(addr: str) -> int:
+    """On rank 0's engine: the store's socket, bound to ``addr`` on a port the OS picks and
+    listening from now on; returns the port. Nothing else can take the port between its
+    choice and the store's start (a port found free and closed again can be)."""
+    for old in _listening.values():
+        old.close()
+    _listening.clear()
+    sock = _listening_socket(addr, 0)
+    port = sock.getsockname()[1]
+    _listening[port] = sock
+    return port
+
+
 def rendezvous_store(rank: int, world_size: int, timeout_s: float):
     """The TCPStore at MASTER_ADDR:MASTER_PORT, rank 0 hosting it.
 
     torch's own store listens on every interface; ours is handed a socket bound to
-    MASTER_ADDR only (127.0.0.1 on one machine), so nothing is exposed by default.
+    MASTER_ADDR only (127.0.0.1 on one machine), so nothing is exposed by default: the one
+    :func:`open_rendezvous` opened for this port, or one bound now (a port the user chose).
     """
     import torch.distributed as dist
 
@@ -93,25 +124,31 @@ def rendezvous_store(rank: int, world_size: int, timeout_s: float):
     timeout = timedelta(seconds=timeout_s)
     if rank != 0:
         return dist.TCPStore(addr, port, world_size, False, timeout)
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((addr, port))
-    sock.listen(128)
+    sock = _listening.pop(port, None) or _listening_socket(addr, port)
     fd = sock.detach()  # the store owns the descriptor from now on
     return dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True)
 
 
 def init_default_group(
-    backend: str, rank: int, world_size: int, timeout_s: float, device: str
+    backend: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device: str,
+    rendezvous_timeout_s: float | None = None,
 ) -> None:
-    """torch's init_process_group on our loopback-bound store (also after a rebuild)."""
+    """torch's init_process_group on our loopback-bound store (also after a rebuild).
+
+    ``timeout_s`` is the collectives' timeout; ``rendezvous_timeout_s`` (default the same)
+    bounds how long a rank waits for its peers to meet in the store; the store then
+    waits as long as the collectives do (``new_group()`` meets in it too)."""
     import torch
     import torch.distributed as dist
 
+    store = rendezvous_store(rank, world_size, rendezvous_timeout_s or timeout_s)
     kwargs: dict[str, Any] = dict(
         backend=backend,
-        store=rendezvous_store(rank, world_size, timeout_s),
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -119,3 +156,5 @@ def init_default_group(
     if backend == "nccl":
         kwargs["device_id"] = torch.device(device)
     (_originals.get("init") or dist.init_process_group)(**kwargs)
+    if rendezvous_timeout_s:
+        store.set_timeout(timedelta(seconds=timeout_s))

@@ -11,11 +11,18 @@ was created, or that talk to MASTER_PORT). Then every rank calls :func:`reinit`.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 import time
 
 from .state import STATE
+
+#: held while the agent releases this rank and while the main thread rebuilds the group:
+#: a release that was asked for during a cell can never close a rebuilt group's connections
+_GROUP_LOCK = threading.Lock()
 
 
 def _socket_inodes() -> dict[int, int]:
@@ -87,6 +94,15 @@ class CollectiveReleased(RuntimeError):
                 )
             )
         )
+
+
+def release_cell(token: str) -> int | None:
+    """Release this rank from its collectives if the cell ``token`` still runs here; None
+    when it does not (the request came late). Runs on the agent thread."""
+    with _GROUP_LOCK:
+        if STATE.cell_state != "running" or STATE.cell_token != token:
+            return None
+        return abort_collectives()
 
 
 def abort_collectives() -> int:
@@ -176,28 +192,54 @@ def cuda_unusable() -> str | None:
     return None
 
 
-def reinit(master_port: int) -> dict:
+@contextlib.contextmanager
+def _interrupts_ignored():
+    """SIGINT ignored in the block (main thread only): a Ctrl-C meant for the cell that was
+    just released, arriving late, must not land between destroying the old group and making
+    the new one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
     """Destroy the (broken) default group and make a fresh one on ``master_port``.
 
     An NCCL group is aborted rather than destroyed (destroying waits for work a released
     peer will never do), and a CUDA context that an abort left unusable is reported, not
-    used: only fresh engines (``%dist_restart``) can have a GPU again.
+    used: only fresh engines (``%dist_restart``) can have a GPU again. Never raises: what
+    went wrong is returned (``error``), for the notebook to try again or say so.
     """
     import torch.distributed as dist
 
     from . import group
 
     t0 = time.perf_counter()
-    if STATE.backend == "nccl":
-        if dist.is_initialized():
-            abort_nccl()
-        broken = cuda_unusable()
-        if broken:
-            return {"rank": STATE.rank, "cuda_unusable": broken}
-    group.destroy_default_group()
-    os.environ["MASTER_PORT"] = str(master_port)
-    remember_preexisting_sockets()
-    group.init_default_group(
-        STATE.backend, STATE.rank, STATE.world_size, STATE.timeout_s or 300, STATE.device
-    )
+    try:
+        with _interrupts_ignored(), _GROUP_LOCK:
+            if STATE.backend == "nccl":
+                if dist.is_initialized():
+                    abort_nccl()
+                broken = cuda_unusable()
+                if broken:
+                    return {"rank": STATE.rank, "cuda_unusable": broken}
+            group.destroy_default_group()
+            os.environ["MASTER_PORT"] = str(master_port)
+            remember_preexisting_sockets()
+            group.init_default_group(
+                STATE.backend,
+                STATE.rank,
+                STATE.world_size,
+                STATE.timeout_s or 300,
+                STATE.device,
+                rendezvous_timeout_s,
+            )
+    except BaseException as exc:  # a Ctrl-C that was pending before the block, too
+        said = str(exc).strip().splitlines()
+        return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}
     return {"rank": STATE.rank, "reinit_s": time.perf_counter() - t0}

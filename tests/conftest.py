@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import threading
+import time
 
 # before IPython or ipyparallel are imported anywhere
 os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="nd-ipython-")
@@ -43,6 +45,39 @@ def ctrl_c_after(seconds: float):
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, previous)
+
+
+class Hung(KeyboardInterrupt):
+    """The test's Ctrl-C, raised from the watch once a verdict shows."""
+
+
+def until_verdict(cluster, code: str, hang_after: float, give_up_s: float | None = None):
+    """Run ``code`` as a ``%%distributed`` cell until the doctor shows its verdict, then press
+    Ctrl-C as a user would (after ``give_up_s`` without one, too). Returns the diagnosis (None
+    if none showed), what the cell printed, the seconds until the verdict and until the end."""
+    out = io.StringIO()
+    t0 = time.monotonic()
+    seen = {}
+
+    def on_update(watch):
+        if watch.shown_verdict and "diag" not in seen:
+            seen["diag"] = watch.diagnosis
+            seen["t"] = time.monotonic() - t0
+            raise Hung()
+        if give_up_s is not None and time.monotonic() - t0 > give_up_s:
+            raise Hung()
+
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(
+            code,
+            filename="Cell In[5]",
+            header="%%distributed",
+            out=out,
+            hang_after=hang_after,
+            on_update=on_update,
+        )
+    end = time.monotonic() - t0
+    return seen.get("diag"), out.getvalue(), seen.get("t", end), end
 
 
 def pids_alive(pids) -> list[int]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import io
 import re
 import socket
-import time
 
 import pytest
 import torch
-from conftest import ctrl_c_after
+from conftest import ctrl_c_after, until_verdict
 
 from notebook_dist import DistCluster
 from notebook_dist.errors import ClusterError
@@ -36,35 +35,11 @@ def cluster(doc_cluster):
     return c
 
 
-class Hung(KeyboardInterrupt):
-    """Raised from the watch callback once a verdict shows: the test's Ctrl-C."""
-
-
 def run_until_verdict(cluster, code: str, limit_s: float = HANG_AFTER + 5):
-    out = io.StringIO()
-    t0 = time.monotonic()
-    seen = {}
-
-    def on_update(watch):
-        if watch.shown_verdict and "diag" not in seen:
-            seen["diag"] = watch.diagnosis
-            seen["t"] = time.monotonic() - t0
-            raise Hung()
-        if time.monotonic() - t0 > limit_s + 10:
-            raise Hung()
-
-    with pytest.raises(KeyboardInterrupt):
-        cluster.run(
-            code,
-            filename="Cell In[5]",
-            header="%%distributed",
-            out=out,
-            hang_after=HANG_AFTER,
-            on_update=on_update,
-        )
-    assert "diag" in seen, f"no diagnosis within {limit_s + 10} s:\n{out.getvalue()}"
-    assert seen["t"] <= limit_s, f"diagnosis after {seen['t']:.1f} s"
-    return seen["diag"], out.getvalue()
+    diag, out, verdict_s, _ = until_verdict(cluster, code, HANG_AFTER, give_up_s=limit_s + 10)
+    assert diag is not None, f"no diagnosis within {limit_s + 10} s:\n{out}"
+    assert verdict_s <= limit_s, f"diagnosis after {verdict_s:.1f} s"
+    return diag, out
 
 
 def assert_recovered(cluster):

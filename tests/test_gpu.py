@@ -15,10 +15,10 @@ hypothesis, and collection should not fail on them) and run the command it print
 
 from __future__ import annotations
 
-import io
 import time
 
 import pytest
+from conftest import until_verdict
 
 torch = pytest.importorskip("torch")
 
@@ -125,30 +125,10 @@ torch.cuda.synchronize()  # the host thread waits for it here, line 10
 """
 
 
-class Hung(KeyboardInterrupt):
-    """The test's Ctrl-C, raised from the watch once a verdict shows."""
-
-
 def _until_verdict(cluster, code: str, hang_after: float = 3.0):
-    seen = {}
-
-    def on_update(watch):
-        if watch.shown_verdict and "diag" not in seen:
-            seen["diag"] = watch.diagnosis
-            raise Hung()
-
-    out = io.StringIO()
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        cluster.run(
-            code,
-            filename="Cell In[5]",
-            header="%%distributed",
-            out=out,
-            hang_after=hang_after,
-            on_update=on_update,
-        )
-    return seen.get("diag"), out.getvalue(), time.monotonic() - t0
+    """The diagnosis, what the cell printed, and the seconds to the end of the interrupt."""
+    diag, out, _, end = until_verdict(cluster, code, hang_after)
+    return diag, out, end
 
 
 def test_a_rank_in_a_long_kernel_is_busy_on_the_gpu_and_is_interrupted(one_gpu):

@@ -8,7 +8,8 @@ matched collective by collective, which gives what no single rank's trace shows:
 - how long each rank **waited for its peers**: for each collective, the time from its own
   arrival to the last rank's arrival (arrival skew);
 - a per-op table with algorithm and bus bandwidth by the nccl-tests formulas;
-- a plain verdict when one rank holds the others back, naming it and its cell line;
+- a plain verdict when one rank holds the others back, naming it and its cell line, and
+  none when the machine did it (the late rank waited for a CPU: Linux's schedstat);
 - a timeline, one lane per rank, and one merged Chrome trace (Perfetto, chrome://tracing).
 
 The events come from torch.profiler's own results. Holistic Trace Analysis, the usual tool
@@ -47,6 +48,9 @@ BUS_FACTOR = {
 STRAGGLER_SHARE = 0.75
 STRAGGLER_COST = 0.10
 MIN_LATE_NS = 1_000_000
+# ... unless the last rank's own wait for a CPU, beyond the others', covers this share of
+# what they waited for it: then the machine held it back, not its code
+MACHINE_SHARE = 0.5
 
 
 def size_of(op: str, rank_bytes: int, n: int) -> int:
@@ -62,6 +66,8 @@ class RankTime:
     collectives_s: float  # time inside collectives (from arrival to completion, merged)
     waiting_s: float  # of which, waiting for the last peer to arrive
     exposed_s: float  # communication the main thread did not overlap with its own work
+    # runnable but not running: the cell's thread waited this long for a CPU (Linux only)
+    cpu_wait_s: float | None = None
 
 
 @dataclass
@@ -85,6 +91,16 @@ class Profile:
     lanes: dict[int, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
     span_s: float = 0.0
     cuda: bool = False  # GPU ranks: the table also shows exposed (not overlapped) communication
+    #: a rank was last because it waited for a CPU: said instead of a verdict on the code
+    machine: str | None = None
+
+    def finding(self) -> str:
+        """The sentence under the tables: the verdict, the machine's part, or all clear."""
+        if self.verdict:
+            return f"Verdict: {self.verdict}"
+        if self.machine:
+            return f"No rank's code holds the others back. {self.machine}"
+        return "No rank holds the others back."
 
     def rank_columns(self) -> tuple[str, ...]:
         cols = ("rank", "wall", "compute", "collectives", "waiting for peers")
@@ -122,9 +138,7 @@ class Profile:
                 ],
             )
         lines.append("")
-        lines.append(
-            f"Verdict: {self.verdict}" if self.verdict else "No rank holds the others back."
-        )
+        lines.append(self.finding())
         if self.trace_path:
             lines.append(f"Trace (Perfetto, chrome://tracing): {self.trace_path}")
         return "\n".join(lines)
@@ -160,7 +174,7 @@ class Profile:
         verdict = (
             f"<div class='nd-profile-verdict' style='color:#e65100'><b>Verdict:</b> {html.escape(self.verdict)}</div>"
             if self.verdict
-            else "<div class='nd-profile-verdict' style='color:#43a047'>No rank holds the others back.</div>"
+            else f"<div class='nd-profile-verdict' style='color:{'#777' if self.machine else '#43a047'}'>{html.escape(self.finding())}</div>"
         )
         trace = (
             f"<div style='color:#777;font-size:11px'>Trace (Perfetto, chrome://tracing): <code>{html.escape(self.trace_path)}</code></div>"
@@ -262,7 +276,7 @@ def analyze(
     (``offsets``: each rank's clock minus the kernel's, in ns)."""
     world = sorted(profiles)
     n = len(world)
-    shift = {r: offsets.get(r, 0) for r in world}
+    shift = clock_shifts(profiles, offsets)
 
     def at(r: int, t: int) -> int:
         return t - shift[r]
@@ -324,6 +338,7 @@ def analyze(
             collectives_s=_length(in_colls) / 1e9,
             waiting_s=_length(waited) / 1e9,
             exposed_s=_length(exposed) / 1e9,
+            cpu_wait_s=None if p.get("cpu_wait") is None else p["cpu_wait"] / 1e9,
         )
 
         def rel(intervals):
@@ -345,13 +360,67 @@ def analyze(
                 algbw * BUS_FACTOR.get(op, lambda n: 1.0)(n),
             )
         )
-    verdict = _straggler(ranks, matched, last_count, late_ns, late_lines, by_key)
+    verdict = machine = None
+    if found := _straggler(ranks, matched, last_count, late_ns, late_lines, by_key):
+        rank, fact, look = found
+        if held := _held_by_machine(ranks, rank):
+            machine = f"{fact[0].upper()}{fact[1:]} But {held}"
+        else:
+            verdict = f"{fact} {look}"
     path = write_trace(profiles, shift, t_min, cell, trace_dir)
     cuda = any(p.get("cuda") for p in profiles.values())
-    return Profile(cell, world, ranks, ops, verdict, path, lanes, (t_max - t_min) / 1e9, cuda)
+    return Profile(
+        cell, world, ranks, ops, verdict, path, lanes, (t_max - t_min) / 1e9, cuda, machine
+    )
 
 
-def _straggler(ranks, matched, last_count, late_ns, late_lines, by_key) -> str | None:
+def clock_shifts(profiles: dict[int, dict[str, Any]], offsets: dict[int, int]) -> dict[int, int]:
+    """What to take from each rank's times to put every rank on one clock. Ranks on one
+    machine share its clock, so they share a shift. Between machines: where the ranks left
+    one barrier as the cell began (``aligned``), that moment is the same moment on every
+    machine, to within a message's flight; otherwise the kernel's estimate (``offsets``)."""
+    machines: dict[Any, list[int]] = {}
+    for r, p in profiles.items():
+        machines.setdefault(p.get("clock") or ("rank", r), []).append(r)
+    aligned = all(p.get("aligned") for p in profiles.values())
+    shift = {}
+    for ranks in machines.values():
+        ranks.sort()
+        value = (
+            min(profiles[r]["aligned"] for r in ranks)
+            if aligned and len(machines) > 1
+            else offsets.get(ranks[0], 0)
+        )
+        for r in ranks:
+            shift[r] = value
+    return shift
+
+
+def _held_by_machine(ranks: dict[int, RankTime], late: int) -> str | None:
+    """Why the last rank was last, when the machine is the reason: the cell's thread on it
+    sat runnable, waiting for a CPU, for most of the time the others waited for it. A rank
+    that sleeps, reads data or computes more is not runnable-and-waiting, so its verdict
+    stands; where the kernel keeps no schedstat, neither does this."""
+    others = [r for r in ranks if r != late]
+    cpu = {r: ranks[r].cpu_wait_s for r in ranks}
+    if not others or any(v is None for v in cpu.values()):
+        return None
+    theirs = statistics.fmean(cpu[r] for r in others)
+    waited = statistics.fmean(ranks[r].waiting_s for r in others)
+    if waited <= 0 or cpu[late] - theirs < MACHINE_SHARE * waited:
+        return None
+    mine = ", ".join(f"rank {r}: {cpu[r]:.2f} s" for r in others)
+    return (
+        f"rank {late} itself waited {cpu[late]:.2f} s for a CPU ({mine}): the machine runs more "
+        "busy processes than it has cores, and that, not the code, held it back. Profile "
+        "again on a quieter machine, or with fewer ranks per machine."
+    )
+
+
+def _straggler(
+    ranks, matched, last_count, late_ns, late_lines, by_key
+) -> tuple[int, str, str] | None:
+    """The rank that held the others back, what it cost them, and where to look."""
     if matched < 3 or not last_count:
         return None
     rank, times = last_count.most_common(1)[0]
@@ -370,20 +439,20 @@ def _straggler(ranks, matched, last_count, late_ns, late_lines, by_key) -> str |
     )
     op_text = ops.most_common(1)[0][0] + ("s" if matched > 1 else "")
     who = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
-    verdict = (
+    fact = (
         f"rank {rank} arrived last at {times} of {matched} {op_text}, "
         f"{statistics.fmean(late_ns[rank]) / 1e6:.0f} ms late on average: {who} waited "
         f"{waited:.1f} s{' each' if len(others) > 1 else ''} ({100 * waited / wall:.0f}% of the cell)."
     )
     if late_lines[rank]:
         line = late_lines[rank].most_common(1)[0][0]
-        verdict += f" Look at what rank {rank} does before line {line}."
-    else:
-        verdict += (
-            f" Look at what rank {rank} computes between its collectives (torch issued these "
-            "itself, as DDP does inside backward())."
-        )
-    return verdict
+        return rank, fact, f"Look at what rank {rank} does before line {line}."
+    return (
+        rank,
+        fact,
+        f"Look at what rank {rank} computes between its collectives (torch issued these "
+        "itself, as DDP does inside backward()).",
+    )
 
 
 def write_trace(

@@ -256,7 +256,9 @@ def test_11_performance(run_notebook):
     nb = run_notebook("11_performance")
     first = _texts(_cell(nb, "%%distributed --profile\ntrain(ddp)"))
     assert "profile of Cell In[" in first and "all_reduce  40" in first  # two buckets a step
-    assert "No rank holds the others back." in first
+    # no verdict on the code; on a busy machine the profile may put a rank's lateness down to
+    # the machine ("No rank's code holds the others back. ..."), which is right there too
+    assert "Verdict:" not in first and "holds the others back." in first
     slow = _texts(_cell(nb, "%%distributed --profile\ntrain(ddp, slow_rank=1)"))
     assert "Verdict: rank 1 arrived last at" in slow and "rank 0 waited" in slow
     assert "class='nd-timeline'" in slow and "Trace (Perfetto, chrome://tracing):" in slow

@@ -4,6 +4,9 @@ analysis on synthetic profiles (arrival skew, bandwidth formulas, the straggler 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -62,16 +65,85 @@ def test_the_last_rank_to_arrive_is_named_with_its_line():
     assert op.busbw == pytest.approx(op.algbw * 2 * (2 - 1) / 2)  # nccl-tests: 2(n-1)/n
 
 
-def test_clock_offsets_align_the_ranks():
+def _late_by(ms: int, cpu_wait: tuple) -> dict:
+    """Rank 1 arrives ``ms`` late at each of 20 all_reduces; each rank's wait for a CPU."""
     global arrivals_all
-    arrivals_all = [(i * 10 * MS, i * 10 * MS) for i in range(10)]
-    skewed = _rank(1, [b + 500 * MS for _, b in arrivals_all])  # its clock runs 500 ms ahead
+    arrivals_all = [(i * 60 * MS, i * 60 * MS + ms * MS) for i in range(20)]
+    profiles = {
+        0: _rank(0, [a for a, _ in arrivals_all]),
+        1: _rank(1, [b for _, b in arrivals_all], line=7),
+    }
+    for r, wait in enumerate(cpu_wait):
+        profiles[r]["cpu_wait"] = None if wait is None else int(wait * 1e9)
+    return profiles
+
+
+def test_a_rank_the_machine_held_back_gets_no_verdict_on_its_code():
+    # rank 1 was last by 10 ms each time, and sat 0.18 s waiting for a CPU: rank 0 waited 0.2 s
+    p = analyze(_late_by(10, (0.005, 0.18)), {0: 0, 1: 0}, "Cell In[4]")
+    assert p.verdict is None and p.ranks[1].cpu_wait_s == pytest.approx(0.18)
+    assert p.machine == (
+        "Rank 1 arrived last at 20 of 20 all_reduces, 10 ms late on average: rank 0 waited 0.2 s "
+        "(17% of the cell). But rank 1 itself waited 0.18 s for a CPU (rank 0: 0.01 s): the "
+        "machine runs more busy processes than it has cores, and that, not the code, held it "
+        "back. Profile again on a quieter machine, or with fewer ranks per machine."
+    )
+    assert "No rank's code holds the others back. Rank 1 arrived last" in p.text()
+    assert "Verdict" not in p.text() and "No rank&#x27;s code holds" in p._repr_html_()
+
+
+@pytest.mark.parametrize(
+    "cpu_wait",
+    [
+        (0.001, 0.002),  # it slept, read or computed: not runnable-and-waiting
+        (0.15, 0.17),  # both ranks waited for a CPU alike: that does not make rank 1 last
+        (0.005, 0.08),  # it waited for a CPU, but for less than half of what rank 0 waited for it
+        (None, None),  # no schedstat (not Linux): the verdict is as before
+    ],
+)
+def test_the_verdict_stands_when_the_machine_does_not_explain_the_lateness(cpu_wait):
+    p = analyze(_late_by(10, cpu_wait), {0: 0, 1: 0})
+    assert p.machine is None
+    assert p.verdict.startswith("rank 1 arrived last at 20 of 20 all_reduces, 10 ms late")
+    assert p.verdict.endswith("Look at what rank 1 does before line 7.")
+
+
+def _together(ahead: int = 0) -> dict:
+    """Two ranks arriving together at 20 all_reduces, rank 1's clock ``ahead`` ns ahead."""
+    global arrivals_all
+    arrivals_all = [(i * 10 * MS, i * 10 * MS) for i in range(20)]
+    skewed = _rank(1, [b + ahead for _, b in arrivals_all])
     for c in skewed["collectives"]:
-        c["end"] += 500 * MS
-    skewed["start"] += 500 * MS
-    skewed["end"] += 500 * MS
-    p = analyze({0: _rank(0, [a for a, _ in arrivals_all]), 1: skewed}, {0: 0, 1: 500 * MS})
+        c["end"] += ahead
+    skewed["start"] += ahead
+    skewed["end"] += ahead
+    return {0: _rank(0, [a for a, _ in arrivals_all]), 1: skewed}
+
+
+def test_clock_offsets_align_the_ranks():
+    p = analyze(_together(ahead=500 * MS), {0: 0, 1: 500 * MS})  # its clock runs 500 ms ahead
     assert p.verdict is None and p.ranks[0].waiting_s == 0 == p.ranks[1].waiting_s
+
+
+def test_ranks_on_one_machine_share_its_clock():
+    # an estimate off by 3 ms (half a round trip through the controller) made rank 1 "late"
+    # at every collective; on one machine there is nothing to estimate
+    profiles = _together()
+    assert analyze(profiles, {0: 0, 1: -3 * MS}).verdict.startswith("rank 1 arrived last")
+    for p in profiles.values():
+        p["clock"] = "boot-a"
+    p = analyze(profiles, {0: 0, 1: -3 * MS})
+    assert p.verdict is None and p.ranks[0].waiting_s == 0 == p.ranks[1].waiting_s
+
+
+def test_machines_meet_on_one_clock_at_the_barrier_the_cell_began_with():
+    profiles = _together(ahead=500 * MS)  # rank 1, on another machine, runs 500 ms ahead
+    profiles[0] |= {"clock": "boot-a", "aligned": 5}
+    profiles[1] |= {"clock": "boot-b", "aligned": 500 * MS + 5}
+    p = analyze(profiles, {0: 0, 1: 497 * MS})  # the round trip's estimate, 3 ms off
+    assert p.verdict is None and p.ranks[0].waiting_s == 0 == p.ranks[1].waiting_s
+    profiles[1]["aligned"] = None  # a cell on some ranks only: no barrier, the estimate serves
+    assert analyze(profiles, {0: 0, 1: 497 * MS}).verdict.startswith("rank 1 arrived last")
 
 
 def test_balanced_ranks_get_no_verdict_and_small_skew_is_not_a_straggler():
@@ -160,9 +232,71 @@ def test_balanced_ranks_get_no_verdict_and_an_unprofiled_cell_carries_no_profile
     from notebook_dist import session
 
     assert session.last_profile.verdict is None, session.last_profile.verdict
+    assert live.clock_offsets([0, 1]) == {0: 0, 1: 0}  # one machine: one clock, nothing to guess
     result = live.run("t = torch.ones(4)\ndist.all_reduce(t)")
     assert result.profile is None
     assert all("profile" not in v.result for v in live.last_watch.views.values())
+
+
+def _pin(pid: int, cpu: int) -> dict[int, set[int]]:
+    """Every thread of ``pid`` onto one CPU; what each allowed before."""
+    before = {}
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        before[tid] = os.sched_getaffinity(tid)
+        os.sched_setaffinity(tid, {cpu})
+    return before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to give each rank its own, and Linux to pin them",
+)
+def test_a_rank_starved_of_cpu_is_put_down_to_the_machine(live, run):
+    # each rank computes 10 ms of CPU time a step; rank 1 shares its CPU with three busy
+    # loops, so it gets a small share of it and is last, its code no slower than rank 0's
+    cpu = sorted(os.sched_getaffinity(0))[:2]
+    loop = "print('spinning', flush=True)\nwhile True:\n    pass"
+    busy = [
+        subprocess.Popen(
+            [sys.executable, "-c", loop], stdout=subprocess.PIPE, start_new_session=True
+        )
+        for _ in range(3)
+    ]
+    saved: dict[int, set[int]] = {}
+    try:
+        for spinning in busy:
+            saved |= _pin(spinning.pid, cpu[1])
+            assert spinning.stdout.readline() == b"spinning\n"
+        for rank, c in zip(live.ranks, cpu):
+            saved |= _pin(rank.pid, c)
+        # a first cell under the busy loops: the scheduler has settled before the profile
+        spin = "end = time.thread_time() + 0.1\nwhile time.thread_time() < end:\n    pass"
+        assert run(f"%%distributed\nimport time\n{spin}").error is None
+        out = run(
+            "%%distributed --profile\nimport time\nt = torch.ones(1024)\nfor step in range(10):\n"
+            "    end = time.thread_time() + 0.01\n    while time.thread_time() < end:\n"
+            "        pass\n    dist.all_reduce(t)\n"
+        )
+    finally:
+        for spinning in busy:
+            spinning.kill()
+            spinning.wait()
+            spinning.stdout.close()
+        for tid, cpus in saved.items():
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass  # a busy loop's, or a thread that ended
+    assert out.error is None, out.output
+    from notebook_dist import session
+
+    p = session.last_profile
+    assert p.verdict is None, p.verdict
+    assert p.machine and p.machine.startswith("Rank 1 arrived last at"), p.text()
+    assert "But rank 1 itself waited" in p.machine
+    assert p.ranks[1].cpu_wait_s > p.ranks[0].cpu_wait_s
+    assert "No rank's code holds the others back." in p.text()
 
 
 @pytest.mark.slow

@@ -162,21 +162,29 @@ def pull(cluster, names: list[str] | str, ranks: Any = None) -> dict[str, RankVa
 
 
 def clock_offsets(cluster, ranks: list[int], samples: int = 3) -> dict[int, int]:
-    """Each rank's clock minus the kernel's, in ns: from the round trip with the least delay
-    (the error is at most half of it; on one machine, about nothing)."""
+    """Each rank's clock minus the kernel's, in ns. A rank on the kernel's machine reads the
+    kernel's clock: 0, exactly (an estimate from a round trip through the controller could
+    only add its error, up to half of a round trip of milliseconds, and that error, the same
+    at every collective, reads as a rank arriving late at each). For another machine, the
+    round trip with the least delay among all its ranks."""
+    from ..runtime.host import clock_id
     from ..runtime.profiler import clock
 
+    here = clock_id()
     view = cluster.processes.rank_view(ranks)
-    best: dict[int, tuple[int, int]] = {}
+    where: dict[int, str] = {}
+    best: dict[str, tuple[int, int]] = {}  # clock: (round trip, offset)
     for _ in range(samples):
         t0 = time.time_ns()
         stamps = view.apply_sync(clock)
         t1 = time.time_ns()
-        for r, stamp in zip(ranks, stamps):
-            rtt = t1 - t0
-            if r not in best or rtt < best[r][0]:
-                best[r] = (rtt, stamp - (t0 + t1) // 2)
-    return {r: offset for r, (_, offset) in best.items()}
+        for r, (m, stamp) in zip(ranks, stamps):
+            where[r] = m
+            if m != here and (m not in best or t1 - t0 < best[m][0]):
+                best[m] = (t1 - t0, stamp - (t0 + t1) // 2)
+        if not best:
+            break  # every rank is on this machine
+    return {r: 0 if where[r] == here else best[where[r]][1] for r in ranks}
 
 
 def status(cluster) -> list[dict[str, Any]]:

@@ -33,14 +33,23 @@ def probe() -> dict:
     }
 
 
+def clock_id() -> str:
+    """Identifies one clock: processes on one kernel read one CLOCK_REALTIME, whatever
+    container or network namespace they are in. The kernel's boot id; the host name where
+    there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def machine_id() -> str:
     """Identifies one machine, and one network namespace on it (each acts as a host)."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}:{os.stat('/proc/self/ns/net').st_ino}"
+        return f"{clock_id()}:{os.stat('/proc/self/ns/net').st_ino}"
     except OSError:
-        return socket.gethostname()
+        return clock_id()
 
 
 def outgoing_ip() -> str:

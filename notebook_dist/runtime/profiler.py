@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from .host import clock_id
 from .state import STATE
 
 MAX_EVENTS = 20_000  # per rank, for the merged trace: a long cell is cut, not sent whole
@@ -68,6 +69,16 @@ def _fr_entries() -> list[dict[str, Any]]:
         return []
 
 
+def runqueue_ns() -> int | None:
+    """How long the calling thread has waited, runnable, for a CPU: the second field of
+    Linux's schedstat. None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class CellProfile:
     """Starts before the cell, stops after it; :meth:`collect` is what the kernel gets."""
 
@@ -84,22 +95,28 @@ class CellProfile:
         if align:  # every rank starts the cell together: skew inside it is the cell's own
             barrier = torch.distributed.barrier
             getattr(barrier, "_notebook_dist_original", barrier)()
+        # the ranks left that barrier together (within a message's flight): one moment on
+        # every machine's clock, which puts machines on one clock better than a round trip
+        self.aligned = time.time_ns() if align else None
         self.before = {(str(e.get("pg_id")), e.get("collective_seq_id")) for e in _fr_entries()}
         self.prof = torch.profiler.profile(activities=activities)
         # spans the cell on the main thread: how the profiler numbers that thread
         self.mark = torch.autograd.profiler.record_function(MARK)
         self.t_start = self.t_end = 0
+        self.runqueue: list[int | None] = []
 
     def __enter__(self) -> CellProfile:
         self.prof.__enter__()
         self.mark.__enter__()
         self.t_start = time.time_ns()
+        self.runqueue = [runqueue_ns()]
         return self
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
             sys.modules["torch"].cuda.synchronize()
         self.t_end = time.time_ns()
+        self.runqueue.append(runqueue_ns())
         self.mark.__exit__(None, None, None)
         self.prof.__exit__(None, None, None)
 
@@ -143,7 +160,17 @@ class CellProfile:
             "busy": union([(s, e) for s, e in busy if e > s]),
             "trace": trace[:MAX_EVENTS],
             "cuda": self.cuda,
+            "cpu_wait": _spent(self.runqueue),
+            "clock": clock_id(),
+            "aligned": self.aligned,
         }
+
+
+def _spent(marks: list[int | None]) -> int | None:
+    """The nanoseconds between two readings, None when either is missing."""
+    if len(marks) != 2 or None in marks:
+        return None
+    return marks[1] - marks[0]
 
 
 def _op_of(name: str) -> str:
@@ -251,6 +278,6 @@ def union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def clock() -> int:
-    """This rank's clock, for the kernel to align the ranks' timelines."""
-    return time.time_ns()
+def clock() -> tuple[str, int]:
+    """Which clock this rank reads, and its time, for the kernel to align the ranks."""
+    return clock_id(), time.time_ns()

@@ -125,7 +125,11 @@ def test_attach_runs_ranks_and_leaves_the_engines_running(ipcluster, no_current,
 
     c = ipp.Client(profile=PROFILE, cluster_id=cluster_id, timeout=30)
     try:
-        c[:].execute("import torch.distributed as dist\nok = dist.is_initialized()", block=True)
+        # not block=True: that also waits, without end, for the engines' iopub 'idle', which a
+        # client that has just connected can miss on a busy machine (a zmq subscription made
+        # late); the reply is enough here
+        ar = c[:].execute("import torch.distributed as dist\nok = dist.is_initialized()")
+        ar.get(timeout=60)
         assert c[:].pull("ok", block=True) == [False, False]
     finally:
         c.close()

@@ -48,9 +48,12 @@ BUS_FACTOR = {
 STRAGGLER_SHARE = 0.75
 STRAGGLER_COST = 0.10
 MIN_LATE_NS = 1_000_000
-# ... unless the last rank's own wait for a CPU, beyond the others', covers this share of
-# what they waited for it: then the machine held it back, not its code
-MACHINE_SHARE = 0.5
+# ... unless the machine held it back: its cell thread waited for a CPU, beyond the others',
+# for this share of what they waited for it, and spent less than this share more time on a
+# CPU than they did (it did not do more work). The thread's own wait is a lower bound of
+# the machine's part: its other threads (holding the GIL, running Gloo) wait too.
+MACHINE_SHARE = 0.25
+MORE_WORK_SHARE = 0.25
 
 
 def size_of(op: str, rank_bytes: int, n: int) -> int:
@@ -66,8 +69,9 @@ class RankTime:
     collectives_s: float  # time inside collectives (from arrival to completion, merged)
     waiting_s: float  # of which, waiting for the last peer to arrive
     exposed_s: float  # communication the main thread did not overlap with its own work
-    # runnable but not running: the cell's thread waited this long for a CPU (Linux only)
+    # the cell's thread: runnable but not running (waiting for a CPU), and on a CPU (Linux)
     cpu_wait_s: float | None = None
+    cpu_busy_s: float | None = None
 
 
 @dataclass
@@ -339,6 +343,7 @@ def analyze(
             waiting_s=_length(waited) / 1e9,
             exposed_s=_length(exposed) / 1e9,
             cpu_wait_s=None if p.get("cpu_wait") is None else p["cpu_wait"] / 1e9,
+            cpu_busy_s=None if p.get("cpu_busy") is None else p["cpu_busy"] / 1e9,
         )
 
         def rel(intervals):
@@ -398,22 +403,24 @@ def clock_shifts(profiles: dict[int, dict[str, Any]], offsets: dict[int, int]) -
 
 def _held_by_machine(ranks: dict[int, RankTime], late: int) -> str | None:
     """Why the last rank was last, when the machine is the reason: the cell's thread on it
-    sat runnable, waiting for a CPU, for most of the time the others waited for it. A rank
-    that sleeps, reads data or computes more is not runnable-and-waiting, so its verdict
-    stands; where the kernel keeps no schedstat, neither does this."""
+    sat runnable, waiting for a CPU, for a good part of the time the others waited for it,
+    and it did no more work than they did. A rank that sleeps or reads data is not runnable
+    while it does, and one that computes more is more time on a CPU: their verdict stands.
+    Where the kernel keeps no schedstat, so does every verdict."""
     others = [r for r in ranks if r != late]
-    cpu = {r: ranks[r].cpu_wait_s for r in ranks}
-    if not others or any(v is None for v in cpu.values()):
+    if not others or any(ranks[r].cpu_wait_s is None for r in ranks):
         return None
-    theirs = statistics.fmean(cpu[r] for r in others)
     waited = statistics.fmean(ranks[r].waiting_s for r in others)
-    if waited <= 0 or cpu[late] - theirs < MACHINE_SHARE * waited:
+    more_wait = ranks[late].cpu_wait_s - statistics.fmean(ranks[r].cpu_wait_s for r in others)
+    more_work = ranks[late].cpu_busy_s - statistics.fmean(ranks[r].cpu_busy_s for r in others)
+    if waited <= 0 or more_wait < MACHINE_SHARE * waited or more_work >= MORE_WORK_SHARE * waited:
         return None
-    mine = ", ".join(f"rank {r}: {cpu[r]:.2f} s" for r in others)
+    theirs = ", ".join(f"rank {r}: {ranks[r].cpu_wait_s:.2f} s" for r in others)
     return (
-        f"rank {late} itself waited {cpu[late]:.2f} s for a CPU ({mine}): the machine runs more "
-        "busy processes than it has cores, and that, not the code, held it back. Profile "
-        "again on a quieter machine, or with fewer ranks per machine."
+        f"rank {late} itself waited {ranks[late].cpu_wait_s:.2f} s for a CPU ({theirs}), and "
+        "computed no more than the others: the machine runs more busy processes than it has "
+        "cores, and that, not the code, held it back. Profile again on a quieter machine, or "
+        "with fewer ranks per machine."
     )
 
 

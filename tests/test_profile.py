@@ -65,16 +65,18 @@ def test_the_last_rank_to_arrive_is_named_with_its_line():
     assert op.busbw == pytest.approx(op.algbw * 2 * (2 - 1) / 2)  # nccl-tests: 2(n-1)/n
 
 
-def _late_by(ms: int, cpu_wait: tuple) -> dict:
-    """Rank 1 arrives ``ms`` late at each of 20 all_reduces; each rank's wait for a CPU."""
+def _late_by(ms: int, cpu_wait: tuple, cpu_busy: tuple = (0.5, 0.5)) -> dict:
+    """Rank 1 arrives ``ms`` late at each of 20 all_reduces; each rank's cell thread waited
+    ``cpu_wait`` seconds for a CPU and spent ``cpu_busy`` on one."""
     global arrivals_all
     arrivals_all = [(i * 60 * MS, i * 60 * MS + ms * MS) for i in range(20)]
     profiles = {
         0: _rank(0, [a for a, _ in arrivals_all]),
         1: _rank(1, [b for _, b in arrivals_all], line=7),
     }
-    for r, wait in enumerate(cpu_wait):
-        profiles[r]["cpu_wait"] = None if wait is None else int(wait * 1e9)
+    for r, (wait, busy) in enumerate(zip(cpu_wait, cpu_busy)):
+        if wait is not None:
+            profiles[r] |= {"cpu_wait": int(wait * 1e9), "cpu_busy": int(busy * 1e9)}
     return profiles
 
 
@@ -84,25 +86,29 @@ def test_a_rank_the_machine_held_back_gets_no_verdict_on_its_code():
     assert p.verdict is None and p.ranks[1].cpu_wait_s == pytest.approx(0.18)
     assert p.machine == (
         "Rank 1 arrived last at 20 of 20 all_reduces, 10 ms late on average: rank 0 waited 0.2 s "
-        "(17% of the cell). But rank 1 itself waited 0.18 s for a CPU (rank 0: 0.01 s): the "
-        "machine runs more busy processes than it has cores, and that, not the code, held it "
-        "back. Profile again on a quieter machine, or with fewer ranks per machine."
+        "(17% of the cell). But rank 1 itself waited 0.18 s for a CPU (rank 0: 0.01 s), and "
+        "computed no more than the others: the machine runs more busy processes than it has "
+        "cores, and that, not the code, held it back. Profile again on a quieter machine, or "
+        "with fewer ranks per machine."
     )
     assert "No rank's code holds the others back. Rank 1 arrived last" in p.text()
     assert "Verdict" not in p.text() and "No rank&#x27;s code holds" in p._repr_html_()
+    # its own wait is a lower bound of the machine's part (its other threads waited too)
+    assert analyze(_late_by(10, (0.005, 0.07)), {}).machine.startswith("Rank 1 arrived last")
 
 
 @pytest.mark.parametrize(
-    "cpu_wait",
+    "cpu_wait, cpu_busy",
     [
-        (0.001, 0.002),  # it slept, read or computed: not runnable-and-waiting
-        (0.15, 0.17),  # both ranks waited for a CPU alike: that does not make rank 1 last
-        (0.005, 0.08),  # it waited for a CPU, but for less than half of what rank 0 waited for it
-        (None, None),  # no schedstat (not Linux): the verdict is as before
+        ((0.001, 0.002), (0.5, 0.5)),  # it slept or read data: not runnable while it did
+        ((0.15, 0.17), (0.5, 0.5)),  # both ranks waited for a CPU alike: not why rank 1 was last
+        ((0.005, 0.04), (0.5, 0.5)),  # its wait for a CPU is under a quarter of rank 0's for it
+        ((0.005, 0.18), (0.5, 0.7)),  # it waited, but it also computed 0.2 s more: its code
+        ((None, None), (None, None)),  # no schedstat (not Linux): the verdict is as before
     ],
 )
-def test_the_verdict_stands_when_the_machine_does_not_explain_the_lateness(cpu_wait):
-    p = analyze(_late_by(10, cpu_wait), {0: 0, 1: 0})
+def test_the_verdict_stands_when_the_machine_does_not_explain_the_lateness(cpu_wait, cpu_busy):
+    p = analyze(_late_by(10, cpu_wait, cpu_busy), {0: 0, 1: 0})
     assert p.machine is None
     assert p.verdict.startswith("rank 1 arrived last at 20 of 20 all_reduces, 10 ms late")
     assert p.verdict.endswith("Look at what rank 1 does before line 7.")

@@ -69,13 +69,14 @@ def _fr_entries() -> list[dict[str, Any]]:
         return []
 
 
-def runqueue_ns() -> int | None:
-    """How long the calling thread has waited, runnable, for a CPU: the second field of
-    Linux's schedstat. None where the kernel does not say."""
+def schedstat() -> tuple[int, int] | None:
+    """The calling thread's time on a CPU and its time runnable but waiting for one, in
+    ns: Linux's schedstat. None where the kernel does not say."""
     try:
         with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu), int(waiting)
+    except (OSError, ValueError):
         return None
 
 
@@ -103,20 +104,20 @@ class CellProfile:
         # spans the cell on the main thread: how the profiler numbers that thread
         self.mark = torch.autograd.profiler.record_function(MARK)
         self.t_start = self.t_end = 0
-        self.runqueue: list[int | None] = []
+        self.sched: list[tuple[int, int] | None] = []
 
     def __enter__(self) -> CellProfile:
         self.prof.__enter__()
         self.mark.__enter__()
         self.t_start = time.time_ns()
-        self.runqueue = [runqueue_ns()]
+        self.sched = [schedstat()]
         return self
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
             sys.modules["torch"].cuda.synchronize()
         self.t_end = time.time_ns()
-        self.runqueue.append(runqueue_ns())
+        self.sched.append(schedstat())
         self.mark.__exit__(None, None, None)
         self.prof.__exit__(None, None, None)
 
@@ -160,17 +161,19 @@ class CellProfile:
             "busy": union([(s, e) for s, e in busy if e > s]),
             "trace": trace[:MAX_EVENTS],
             "cuda": self.cuda,
-            "cpu_wait": _spent(self.runqueue),
+            **_spent(self.sched),
             "clock": clock_id(),
             "aligned": self.aligned,
         }
 
 
-def _spent(marks: list[int | None]) -> int | None:
-    """The nanoseconds between two readings, None when either is missing."""
+def _spent(marks: list[tuple[int, int] | None]) -> dict[str, int]:
+    """The cell thread's time on a CPU (``cpu_busy``) and waiting for one (``cpu_wait``)
+    between two readings; nothing when either is missing."""
     if len(marks) != 2 or None in marks:
-        return None
-    return marks[1] - marks[0]
+        return {}
+    (busy0, wait0), (busy1, wait1) = marks
+    return {"cpu_busy": busy1 - busy0, "cpu_wait": wait1 - wait0}
 
 
 def _op_of(name: str) -> str:

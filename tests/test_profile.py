@@ -239,6 +239,10 @@ def test_balanced_ranks_get_no_verdict_and_an_unprofiled_cell_carries_no_profile
 
     assert session.last_profile.verdict is None, session.last_profile.verdict
     assert live.clock_offsets([0, 1]) == {0: 0, 1: 0}  # one machine: one clock, nothing to guess
+    # on some ranks only there is no barrier to start at: the kernel's clock places them
+    alone = run("%%distributed --profile --ranks 1\nt = sum(range(100_000))")
+    assert alone.error is None, alone.output
+    assert session.last_profile.world == [1] and session.last_profile.verdict is None
     result = live.run("t = torch.ones(4)\ndist.all_reduce(t)")
     assert result.profile is None
     assert all("profile" not in v.result for v in live.last_watch.views.values())

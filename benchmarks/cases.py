@@ -555,3 +555,41 @@ def profile_accuracy_and_cost(cluster, reps: int) -> dict:
         "collectives_vs_direct": ratio(accuracy, [1.0] * len(accuracy)),
         "flag_vs_by_hand": ratio(flag, hand),
     }
+
+
+# rank 1 skips the all_reduce that rank 0 waits in: the classic mismatch
+HANG_CELL = "t = torch.ones(4)\nif nd.rank == 0:\n    dist.all_reduce(t)\n"
+HANG_AFTER_S = 3.0
+
+
+class _Verdict(KeyboardInterrupt):
+    """The user's Ctrl-C, pressed once the verdict shows."""
+
+
+def doctor_latency(cluster, reps: int) -> dict:
+    """From the start of a cell that hangs to the doctor's verdict, against hang-after (the
+    quiet time it waits for by design: 1.0 would be a verdict the instant it may give one).
+    Each hang is released with Ctrl-C, as a user would, and the ranks carry on."""
+    import io
+
+    took = []
+    for _ in range(reps):
+        seen: dict = {}
+        t0 = time.monotonic()
+
+        def on_update(watch, seen=seen, t0=t0):
+            if "s" in seen:  # pressed once; the interrupt that follows polls here too
+                return
+            if watch.shown_verdict or time.monotonic() - t0 > 10 * HANG_AFTER_S:
+                seen["s"], seen["verdict"] = time.monotonic() - t0, watch.shown_verdict or ""
+                raise _Verdict()
+
+        try:
+            cluster.run(HANG_CELL, hang_after=HANG_AFTER_S, on_update=on_update, out=io.StringIO())
+        except KeyboardInterrupt:
+            pass
+        if "rank 0" not in seen.get("verdict", "").lower():  # it named the stuck rank
+            raise RuntimeError(f"no verdict naming rank 0: {seen.get('verdict')!r}")
+        took.append(seen["s"])
+        cluster.run("t = torch.ones(1)\ndist.all_reduce(t)").raise_for_errors()  # carried on
+    return {"verdict_vs_hang_after": ratio(took, [HANG_AFTER_S] * len(took))}

@@ -60,6 +60,13 @@ TARGETS = [
         0.95,
     ),
     (
+        # the issue's bound: the verdict within hang-after + 5 s, for hang-after 3 s
+        "doctor: hang to verdict / hang-after (3 s)",
+        ("doctor", "verdict_vs_hang_after", "pair_median"),
+        "<=",
+        2.67,  # (3 + 5) / 3
+    ),
+    (
         "profile: rank 0's time in collectives / its own timing",
         ("profile", "collectives_vs_direct", "pair_median"),
         ">=",
@@ -103,6 +110,7 @@ CASE_NAMES = (
     "growth",
     "bench",
     "profile",
+    "doctor",
 )
 
 
@@ -158,6 +166,7 @@ def main(argv=None) -> int:
         "dashboard": lambda c: cases.dashboard_overhead(c, 500, 4 if quick else 400),
         "bench": lambda c: cases.bench_vs_torchrun(c, 2 if quick else 6),
         "profile": lambda c: cases.profile_accuracy_and_cost(c, 3 if quick else 10),
+        "doctor": lambda c: cases.doctor_latency(c, 3 if quick else 8),
     }
     if only & set(on_cluster):
         shell = TerminalInteractiveShell.instance()

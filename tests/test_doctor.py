@@ -1,4 +1,6 @@
-"""The doctor on real hangs: one test per class, verdict within hang-after + 5 s."""
+"""The doctor on real hangs: one test per class, each verdict checked for its culprit rank
+and line. How soon the verdict comes is a benchmark (benchmarks/cases.py doctor_latency,
+against hang-after), not a test: a time asserted here would fail on a slow machine."""
 
 from __future__ import annotations
 
@@ -35,10 +37,9 @@ def cluster(doc_cluster):
     return c
 
 
-def run_until_verdict(cluster, code: str, limit_s: float = HANG_AFTER + 5):
-    diag, out, verdict_s, _ = until_verdict(cluster, code, HANG_AFTER, give_up_s=limit_s + 10)
-    assert diag is not None, f"no diagnosis within {limit_s + 10} s:\n{out}"
-    assert verdict_s <= limit_s, f"diagnosis after {verdict_s:.1f} s"
+def run_until_verdict(cluster, code: str, give_up_s: float = 10 * HANG_AFTER):
+    diag, out, _, _ = until_verdict(cluster, code, HANG_AFTER, give_up_s=give_up_s)
+    assert diag is not None, f"no diagnosis within {give_up_s} s:\n{out}"
     return diag, out
 
 

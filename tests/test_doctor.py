@@ -312,6 +312,61 @@ def test_interrupt_releases_ranks_blocked_in_gloo_and_keeps_state(cluster):
     assert_recovered(cluster)
 
 
+#: a rank's main thread in a wait that no interrupt reaches and that ends only once the
+#: rank's communicators are aborted: what an NCCL rank is in, on the host, behind a
+#: kernel that waits for a peer (``.item()``, a synchronize). The loop stands in for the
+#: wait (ending by itself after 30 s, so that a release that fails fails the test rather
+#: than hang it); the abort, the release and the rebuild are the ones NCCL ranks get
+WAIT_THE_INTERRUPT_CANNOT_REACH = """
+import signal, time
+kept = nd.rank * 10 + 1
+previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+try:
+    for _ in range(600):
+        time.sleep(0.05)
+finally:
+    signal.signal(signal.SIGINT, previous)
+"""
+
+RELEASE_BY_ABORT = """
+from notebook_dist.runtime import recover
+recover.release_by_sockets = recover.abort_collectives
+recover.abort_collectives = recover.abort_nccl
+"""
+
+RELEASE_BY_SOCKETS = """
+from notebook_dist.runtime import recover
+recover.abort_collectives = recover.release_by_sockets
+"""
+
+
+def test_the_release_by_abort_that_nccl_ranks_get_ends_the_cell_and_rebuilds(cluster):
+    """The release of an NCCL rank (its communicators aborted from the agent's thread, the
+    cell ended in its main thread by CollectiveReleased, the group rebuilt after torch
+    forgot every group) run on Gloo ranks: only NCCL's own abort needs a GPU."""
+    cluster.run(RELEASE_BY_ABORT).raise_for_errors()
+    try:
+        diag, out, _, _ = until_verdict(
+            cluster, WAIT_THE_INTERRUPT_CANNOT_REACH, HANG_AFTER, give_up_s=10 * HANG_AFTER
+        )
+        watch = cluster.last_watch
+        groups = cluster.run(
+            "from notebook_dist.runtime.state import STATE\nSTATE.extras.get('released')"
+        )
+    finally:
+        cluster.run(RELEASE_BY_SOCKETS).raise_for_errors()
+    assert diag is not None, out
+    assert "did not stop" not in out, out  # the abort ended the wait
+    ended_by = {
+        r: ((v.result or {}).get("error") or {}).get("ename") for r, v in watch.views.items()
+    }
+    assert ended_by == {0: "CollectiveReleased", 1: "CollectiveReleased"}, out
+    assert "released ranks 0, 1 from collectives that could not complete" in out, out
+    assert all(n >= 1 for n in groups.values.values()), dict(groups.values)  # groups aborted
+    assert dict(cluster.run("kept").values) == {0: 1, 1: 11}
+    assert_recovered(cluster)
+
+
 def test_rank_that_died_is_reported_with_its_signal_and_next_cell_says_what_to_do(cluster):
     with pytest.raises(ClusterError) as info:
         cluster.run("nd.faults.die(rank=1)", filename="Cell In[8]", header="%%distributed")

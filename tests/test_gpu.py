@@ -97,19 +97,13 @@ def test_an_nccl_group_is_aborted_and_rebuilt_with_the_namespace_kept(one_gpu):
     ).raise_for_errors()
     aborted = one_gpu.apply(recover.abort_nccl)  # what a release does on the agent's thread
     assert aborted[0] >= 1
-    assert dict(one_gpu.apply(_initialized)) == {0: False}
+    assert dict(one_gpu.run("dist.is_initialized()").values) == {0: False}
     one_gpu.rebuild_process_group()
     r = one_gpu.run(
         "t = torch.full((3,), 2.0, device=nd.device)\ndist.all_reduce(t)\n(t.tolist(), kept + 1)"
     )
     r.raise_for_errors()
     assert r.values[0] == ([2.0, 2.0, 2.0], 42)
-
-
-def _initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_initialized()
 
 
 SLEEP_ON_GPU = """
@@ -148,7 +142,7 @@ def test_a_rank_in_a_long_kernel_is_busy_on_the_gpu_and_is_interrupted(one_gpu):
         except Exception:
             time.sleep(1)
     assert dict(r.values) == {0: "still here"}
-    if not dict(one_gpu.apply(_initialized))[0]:  # released while the kernel ran: rebuild
+    if not one_gpu.run("dist.is_initialized()").values[0]:  # released while it ran: rebuild
         one_gpu.rebuild_process_group()
     r = one_gpu.run("t = torch.ones(1, device=nd.device)\ndist.all_reduce(t)\nt.item()")
     assert dict(r.values) == {0: 1.0}

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import PreflightError
-from .runtime.devices import visible_gpus
+from .runtime.devices import DEV_ROOT, PROC_GPUS, physical_gpus, visible_gpus
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_CPU_RANKS = 2
@@ -38,20 +38,17 @@ class ClusterPlan:
 
 
 def check_cuda_visible_devices(
-    environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus"
+    environ: dict[str, str] | None = None, proc_root: str = PROC_GPUS, dev_root: str = DEV_ROOT
 ) -> str | None:
     """The notebook's own ``CUDA_VISIBLE_DEVICES`` against the machine's GPUs, before
     anything starts: an entry that names no GPU is refused (CUDA would silently stop at
     it), and one that hides GPUs is said (the ranks get only what it shows)."""
     environ = os.environ if environ is None else environ
     spec = environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        physical = len(os.listdir(proc_root))
-    except OSError:
-        physical = 0
+    physical = physical_gpus(proc_root, dev_root)
     if spec is None or not physical:
         return None
-    shown = visible_gpus(environ, proc_root)
+    shown = visible_gpus(environ, proc_root, dev_root)
     items = [s.strip() for s in spec.split(",") if s.strip()]
     if items and items != ["-1"] and len(shown) < len(items):
         bad = items[len(shown)]

@@ -6,6 +6,7 @@ from notebook_dist.errors import PreflightError
 from notebook_dist.plan import (
     assign_local_ranks,
     check_cuda_visible_devices,
+    physical_gpus,
     plan_cluster,
     plan_on_engines,
     visible_gpus,
@@ -63,7 +64,9 @@ def test_gpu_list_selects_physical_gpus_and_keeps_local_rank_device():
 
 
 def test_gpu_list_respects_the_notebooks_own_cuda_visible_devices():
-    gpu_ids = visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, proc_root="/nonexistent")
+    gpu_ids = visible_gpus(
+        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, proc_root="/nonexistent", dev_root="/nonexistent"
+    )
     assert gpu_ids == []  # no driver: nothing is visible, whatever the variable says
 
 
@@ -119,6 +122,30 @@ def test_visible_gpus_reads_the_driver_and_cuda_visible_devices(tmp_path):
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,9,2"}, proc_root=str(tmp_path)) == ["1"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, proc_root=str(tmp_path)) == []
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, proc_root=str(tmp_path)) == []
+
+
+def test_gpus_are_counted_from_their_device_files_where_the_driver_has_no_proc(tmp_path):
+    """gVisor (the sandbox our lent GPU machine runs in) and some containers pass the
+    GPUs' device files through, not the driver's /proc; CUDA needs only the device files."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "null"):
+        (dev / name).touch()
+    (dev / "nvidia-caps").mkdir()
+    no_proc = str(tmp_path / "no-proc")
+    assert physical_gpus(no_proc, str(dev)) == 2
+    assert visible_gpus({}, proc_root=no_proc, dev_root=str(dev)) == ["0", "1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1"}, proc_root=no_proc, dev_root=str(dev)) == [
+        "1"
+    ]
+    assert physical_gpus(no_proc, str(tmp_path / "no-dev")) == 0
+    # where the driver's /proc is there, it counts (device files can lag behind it)
+    proc = tmp_path / "gpus"
+    proc.mkdir()
+    (proc / "0000:01:00.0").mkdir()
+    assert physical_gpus(str(proc), str(dev)) == 1
+    with pytest.raises(PreflightError, match="names '2', which is no GPU of this machine"):
+        check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": "2"}, no_proc, str(dev))
 
 
 def test_local_ranks_group_by_host_in_first_seen_order():
@@ -200,7 +227,10 @@ def test_cuda_visible_devices_that_hides_gpus_is_said_and_one_that_names_none_is
         PreflightError, match=r"CUDA_VISIBLE_DEVICES=0,9 names '9', which is no GPU"
     ):
         check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": "0,9"}, gpus)
-    assert check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": "0"}, "/nonexistent") is None
+    assert (
+        check_cuda_visible_devices({"CUDA_VISIBLE_DEVICES": "0"}, "/nonexistent", "/nonexistent")
+        is None
+    )
 
 
 def _probe(host, gpus):

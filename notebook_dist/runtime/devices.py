@@ -4,6 +4,7 @@ and %dist_status)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -29,20 +30,41 @@ def gpu_state() -> dict[str, Any] | None:
     }
 
 
+#: where the NVIDIA driver lists its GPUs, one folder each, and where their device files are
+PROC_GPUS = "/proc/driver/nvidia/gpus"
+DEV_ROOT = "/dev"
+
+
+def physical_gpus(proc_root: str = PROC_GPUS, dev_root: str = DEV_ROOT) -> int:
+    """How many NVIDIA GPUs this machine shows, without importing torch or starting CUDA.
+
+    The driver's folder per GPU in /proc; where there is none, the ``nvidiaN`` device files
+    (a sandbox such as gVisor, or a container, can pass the GPUs' device files through
+    without the driver's /proc, and CUDA needs only the device files).
+    """
+    try:
+        return len(os.listdir(proc_root))
+    except OSError:
+        pass
+    try:
+        return sum(1 for name in os.listdir(dev_root) if re.fullmatch(r"nvidia\d+", name))
+    except OSError:
+        return 0
+
+
 def visible_gpus(
-    environ: dict[str, str] | None = None, proc_root: str = "/proc/driver/nvidia/gpus"
+    environ: dict[str, str] | None = None,
+    proc_root: str = PROC_GPUS,
+    dev_root: str = DEV_ROOT,
 ) -> list[str]:
-    """IDs of the NVIDIA GPUs this process may use, without importing torch.
+    """IDs of the NVIDIA GPUs this process may use (:func:`physical_gpus`), without
+    importing torch.
 
     Honours ``CUDA_VISIBLE_DEVICES`` the way CUDA does: a list of ids (or UUIDs),
     stopping at the first invalid entry; empty or ``-1`` hides every GPU.
     """
     environ = os.environ if environ is None else environ
-    try:
-        physical = sorted(os.listdir(proc_root))
-    except OSError:
-        physical = []
-    ids = [str(i) for i in range(len(physical))]
+    ids = [str(i) for i in range(physical_gpus(proc_root, dev_root))]
     spec = environ.get("CUDA_VISIBLE_DEVICES")
     if spec is None:
         return ids

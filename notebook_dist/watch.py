@@ -106,7 +106,10 @@ class CellWatch:
                     v.dead_at = time.time()
                 elif fut.done():
                     try:
-                        v.result = unpack(fut.result())
+                        reply = fut.result()
+                        if isinstance(reply, BaseException):  # our rank side failed itself
+                            raise reply
+                        v.result = unpack(reply)
                         v.status = "error" if v.result["status"] == "error" else "done"
                         # the rank's final record, even if it finished before its agent reported
                         v.snap = dict(v.result.get("final") or {}, collective=None)
@@ -116,14 +119,7 @@ class CellWatch:
                             v.before_release = snap or None
                     except Exception as exc:  # engine-level failure
                         v.status = "error"
-                        v.result = {
-                            "status": "error",
-                            "error": {
-                                "ename": type(exc).__name__,
-                                "evalue": str(exc),
-                                "traceback": str(exc),
-                            },
-                        }
+                        v.result = {"status": "error", "error": engine_error(exc)}
             fp = (
                 v.status,
                 v.snap.get("collectives_done"),
@@ -377,6 +373,19 @@ class CellWatch:
 
 class _StopHung(KeyboardInterrupt):
     """Internal: ends the watch loop like Ctrl-C would, after a diagnosis (--on-hang stop)."""
+
+
+def engine_error(exc: BaseException) -> dict[str, str]:
+    """A failure of the rank's own machinery rather than of the cell, as the cell's error.
+    An ipyparallel RemoteError carries the rank's exception and its traceback: a bug of
+    ours, or a torch API this torch lacks, then reads as itself."""
+    ename = getattr(exc, "ename", None) or type(exc).__name__
+    evalue = getattr(exc, "evalue", None) or str(exc)
+    return {
+        "ename": ename,
+        "evalue": evalue,
+        "traceback": getattr(exc, "traceback", None) or f"{ename}: {evalue}",
+    }
 
 
 def _ranks(ranks) -> str:

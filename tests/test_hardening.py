@@ -299,3 +299,30 @@ def test_raw_bytes_from_a_rank_are_shown_not_fatal(monkeypatch):
 def test_a_very_long_source_line_runs(live):
     r = live.run("x = '" + "a" * 2_000_000 + "'\nlen(x) + nd.rank")
     assert not r.errors and dict(r.values) == {0: 2_000_000, 1: 2_000_001}
+
+
+def test_a_failure_of_the_ranks_own_machinery_reads_as_itself(live):
+    """When notebook_dist's rank side raises outside the user's cell (here the profile's
+    collection, as torch 2.4 made it: its profiler events had no end_ns()), each rank shows
+    that exception and where it came from, not an error about unpacking the reply; and the
+    ranks go on."""
+    live.run(
+        "import notebook_dist.runtime.profiler as _p\n"
+        "_p._collect = _p.CellProfile.collect\n"
+        "def _broken(self, tracked):\n"
+        "    raise AttributeError(\"'_KinetoEvent' object has no attribute 'end_ns'\")\n"
+        "_p.CellProfile.collect = _broken"
+    ).raise_for_errors()
+    try:
+        r = live.run("kept = nd.rank + 1", profile=True)
+    finally:
+        live.run("_p.CellProfile.collect = _p._collect").raise_for_errors()
+    assert sorted(r.errors) == [0, 1]
+    for err in r.errors.values():
+        assert (err.ename, err.evalue) == (
+            "AttributeError",
+            "'_KinetoEvent' object has no attribute 'end_ns'",
+        )
+        assert "_broken" in err.traceback and "unpack" not in err.traceback
+    assert dict(live.run("kept").values) == {0: 1, 1: 2}
+    assert live.run("'profiled'", profile=True).values[0] == "profiled"

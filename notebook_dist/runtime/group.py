@@ -126,7 +126,14 @@ def rendezvous_store(rank: int, world_size: int, timeout_s: float):
         return dist.TCPStore(addr, port, world_size, False, timeout)
     sock = _listening.pop(port, None) or _listening_socket(addr, port)
     fd = sock.detach()  # the store owns the descriptor from now on
-    return dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True)
+    try:
+        return dist.TCPStore(
+            addr, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True
+        )
+    except NotImplementedError:  # torch 2.4: its libuv store takes no socket, the legacy one does
+        return dist.TCPStore(
+            addr, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=False
+        )
 
 
 def init_default_group(

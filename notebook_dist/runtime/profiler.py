@@ -27,6 +27,15 @@ MARK = "notebook_dist::cell"
 _warm = {"done": False}
 
 
+def _profiler(torch, activities):
+    """A torch.profiler for one cycle. Its events are kept across cycles (there is one):
+    torch 2.11 warns at every start that they are not, unless asked to keep them."""
+    import inspect
+
+    keep = "acc_events" in inspect.signature(torch.profiler.profile).parameters
+    return torch.profiler.profile(activities=activities, **({"acc_events": True} if keep else {}))
+
+
 def _first_start(torch, activities) -> None:
     """Start and stop a profiler once, with what the C++ side prints to the process's
     stderr set aside: the engine imports torch on a background thread (to start faster),
@@ -40,7 +49,7 @@ def _first_start(torch, activities) -> None:
         saved = os.dup(2)
         os.dup2(caught.fileno(), 2)
         try:
-            with torch.profiler.profile(activities=activities):
+            with _profiler(torch, activities):
                 pass
         finally:
             os.dup2(saved, 2)
@@ -100,7 +109,7 @@ class CellProfile:
         # every machine's clock, which puts machines on one clock better than a round trip
         self.aligned = time.time_ns() if align else None
         self.before = {(str(e.get("pg_id")), e.get("collective_seq_id")) for e in _fr_entries()}
-        self.prof = torch.profiler.profile(activities=activities)
+        self.prof = _profiler(torch, activities)
         # spans the cell on the main thread: how the profiler numbers that thread
         self.mark = torch.autograd.profiler.record_function(MARK)
         self.t_start = self.t_end = 0
@@ -129,7 +138,8 @@ class CellProfile:
         busy: list[tuple[int, int]] = []  # the main thread computing (its CPU ops)
         trace: list[dict[str, Any]] = []
         for e in events:
-            name, start, end = e.name(), e.start_ns(), e.end_ns()
+            name, start = e.name(), e.start_ns()
+            end = start + e.duration_ns()  # (torch 2.4's events have no end_ns())
             device = e.device_type().name
             if name.startswith("gloo:") or (device == "CUDA" and "nccl" in name.lower()):
                 runs.append((_op_of(name), start, end))

@@ -208,15 +208,18 @@ def test_a_receive_from_a_rank_that_finished_names_it_and_the_branch(cluster):
     assert_recovered(cluster)
 
 
+# DTensor's full_tensor() on rank 0 only: a collective torch issues, at line 7
+FULL_TENSOR_ON_RANK_0 = (
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "from torch.distributed.tensor import Shard, distribute_tensor\n"
+    "mesh = init_device_mesh('cpu', (2,))\n"
+    "w = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])\n"
+    "if nd.rank == 0:\n    full = w.full_tensor()\n"
+)
+
+
 def test_a_collective_torch_issues_inside_a_library_call_on_one_rank(cluster):
-    code = (
-        "from torch.distributed.device_mesh import init_device_mesh\n"
-        "from torch.distributed.tensor import Shard, distribute_tensor\n"
-        "mesh = init_device_mesh('cpu', (2,))\n"
-        "w = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])\n"
-        "if nd.rank == 0:\n    full = w.full_tensor()\n"
-    )
-    diag, _ = run_until_verdict(cluster, code)
+    diag, _ = run_until_verdict(cluster, FULL_TENSOR_ON_RANK_0)
     assert diag.kind == "library" and diag.culprits == [0] and diag.line == 7
     assert diag.verdict.startswith(
         "Rank 0 waits in all_gather, a collective torch issued inside full_tensor() "
@@ -227,6 +230,31 @@ def test_a_collective_torch_issues_inside_a_library_call_on_one_rank(cluster):
     assert diag.rows[0]["state"] == "in an internal collective"
     assert diag.rows[1]["state"] == "finished the cell"
     assert_recovered(cluster)
+
+
+def test_a_library_collective_is_diagnosed_from_the_stack_with_the_flight_recorder_off():
+    """torch before 2.8 records no Gloo collective in its Flight Recorder; with the recorder
+    off (TORCH_FR_BUFFER_SIZE=0) the doctor reads the same hang from the rank's stack, and
+    does not call it slow Python."""
+    from notebook_dist import DistConfig
+
+    config = DistConfig(extra_env={"TORCH_FR_BUFFER_SIZE": "0"})
+    with DistCluster(n=2, config=config) as blind:
+        recorded = blind.run(
+            "import json\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+            "dump = getattr(torch._C._distributed_c10d, '_dump_fr_trace_json', None)\n"
+            "len(json.loads(dump(True, False)).get('entries') or []) if dump else 0"
+        )
+        assert dict(recorded.values) == {0: 0, 1: 0}  # the recorder is off indeed
+        diag, _ = run_until_verdict(blind, FULL_TENSOR_ON_RANK_0)
+        assert diag.kind == "library" and diag.culprits == [0] and diag.line == 7, diag.text()
+        assert diag.verdict.startswith(
+            "Rank 0 waits in a collective torch issued inside full_tensor() "
+            "(torch/distributed/tensor/_api.py), called at line 7 (`full = w.full_tensor()`), "
+            "while rank 1 finished the cell without calling it."
+        )
+        assert diag.rows[0]["state"] == "in an internal collective"
+        assert_recovered(blind)
 
 
 def test_a_killed_rank_is_named_where_it_was_last_seen(cluster):

@@ -371,6 +371,54 @@ def test_every_rank_in_the_same_library_collective_is_stalled_not_python():
     assert d.kind == "stalled" and "Every rank waits in all_gather" in d.verdict
 
 
+SITE = "/venv/lib/python3.11/site-packages/torch"
+
+
+def library_stack(line=8, func="full_tensor", inner=None):
+    """A rank blocked under a library call, as its main thread's stack reads: the cell's
+    line, the library's frames, then what it waits in (default: a functional collective's
+    wait_tensor, inside torch's op dispatch)."""
+    inner = inner or [
+        frame(141, "wait_tensor", f"{SITE}/distributed/_functional_collectives.py"),
+        frame(1123, "__call__", f"{SITE}/_ops.py"),
+    ]
+    stack = [frame(line), frame(572, func, LIB), frame(281, "redistribute_local_tensor", LIB)]
+    stack[0]["code"] = "full = w.full_tensor()"
+    return running(None, stack=stack + inner)
+
+
+def test_a_library_collective_is_seen_in_the_stack_where_the_flight_recorder_is_blind():
+    # torch before 2.8 records no Gloo collective, nor does TORCH_FR_BUFFER_SIZE=0: no
+    # "internal" entry, yet the rank is not "running Python"
+    d = diagnose({0: library_stack(), 1: done()}, now=NOW, cell_file=CELL, source=SOURCE_LIB)
+    assert d.kind == "library" and d.culprits == [0] and d.line == 8
+    assert d.verdict.startswith(
+        "Rank 0 waits in a collective torch issued inside full_tensor() "
+        "(torch/distributed/tensor/_api.py), called at line 8 (`full = w.full_tensor()`), while "
+        "rank 1 finished the cell without calling it. Line 8 is inside `if nd.rank == 0:` (line 7)"
+    )
+    assert d.rows[0]["state"] == "in an internal collective"
+    assert d.rows[0]["op"] == "collective (torch)"
+
+
+def test_a_c10d_call_the_tracker_did_not_see_is_named_from_the_stack():
+    c10d = frame(4321, "_store_based_barrier", f"{SITE}/distributed/distributed_c10d.py")
+    d = diagnose(
+        {0: library_stack(func="new_group", inner=[c10d]), 1: done()}, now=NOW, cell_file=CELL
+    )
+    assert d.kind == "library"
+    assert d.verdict.startswith("Rank 0 waits in store_based_barrier, a collective torch issued")
+    assert d.rows[0]["op"] == "store_based_barrier (torch)"
+
+
+def test_python_inside_torch_distributed_is_still_python():
+    # DTensor's sharding propagation is Python: a rank busy there waits for no peer
+    busy = frame(200, "propagate_op_sharding", f"{SITE}/distributed/tensor/_sharding_prop.py")
+    for snap in (library_stack(inner=[busy]), running(None, stack=[busy])):
+        d = diagnose({0: snap, 1: done()}, now=NOW, cell_file=CELL)
+        assert d.rows[0]["state"] == "running Python", d.text()
+
+
 # ---- the GPU ----------------------------------------------------------------------------
 
 
@@ -427,7 +475,10 @@ def snapshots(draw):
     for r in range(n):
         kind = draw(
             st.sampled_from(
-                ["coll", "p2p", "pending", "internal", "backward", "python", "done", "gpu", "error"]
+                [
+                    *("coll", "p2p", "pending", "internal", "blind", "backward"),
+                    *("python", "done", "gpu", "error"),
+                ]
             )
         )
         peer = draw(st.sampled_from([x for x in range(n) if x != r] + [None]))
@@ -449,6 +500,8 @@ def snapshots(draw):
             ranks[r]["snap"]["p2p_pending"] = [p2p(op, to if op == "isend" else peer, line)]
         elif kind == "internal":
             ranks[r] = in_library(op=op, line=line)
+        elif kind == "blind":  # the same, seen in the stack alone
+            ranks[r] = library_stack(line=line)
         elif kind == "backward":
             ranks[r] = running(None, stack=[frame(line), frame(600, "backward", "/t/_tensor.py")])
         elif kind == "python":

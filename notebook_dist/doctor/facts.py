@@ -115,6 +115,45 @@ def library_call(stack: list[dict] | None) -> dict[str, Any] | None:
     }
 
 
+#: torch's op dispatch: a thread blocked in a torch op shows these frames innermost
+_DISPATCH = ("/torch/_ops.py", "/torch/_library/", "/torch/utils/_python_dispatch.py")
+#: the functions of torch.distributed code that wait for a collective it issued
+_WAITS = ("wait_tensor", "wait")
+
+
+def collective_in_stack(stack: list[dict] | None) -> dict[str, Any] | None:
+    """A collective torch issued itself, seen in the main thread's stack, for when the Flight
+    Recorder cannot say (torch before 2.8 records no Gloo collective; TORCH_FR_BUFFER_SIZE=0
+    turns it off): below the cell's call, the innermost frame outside torch's op dispatch
+    is torch.distributed code waiting for one (a functional collective's ``wait_tensor``,
+    as DTensor and FSDP2 use), or a c10d call the tracker did not see. ``op`` is that
+    call's name, or empty where only the wait is on the stack."""
+    if not stack:
+        return None
+    last_cell = max(
+        (i for i, f in enumerate(stack) if f["file"].startswith(CELL_PREFIX)), default=None
+    )
+    if last_cell is None:
+        return None
+    inner = stack[last_cell + 1 :]
+    while inner and any(part in inner[-1]["file"] for part in _DISPATCH):
+        inner = inner[:-1]
+    if not inner or "/torch/distributed/" not in inner[-1]["file"]:
+        return None
+    top = inner[-1]
+    if top["func"] in _WAITS:
+        return {"op": "", "from_stack": True}
+    if top["file"].endswith("/distributed_c10d.py"):
+        return {"op": top["func"].lstrip("_"), "from_stack": True}
+    return None
+
+
+def internal_op(rec: dict[str, Any]) -> str:
+    """The name of a collective torch issued: 'all_gather', or 'a collective' where only its
+    wait was seen."""
+    return rec.get("op") or "a collective"
+
+
 def in_backward(stack: list[dict] | None) -> bool:
     return bool(stack) and any(
         f["func"] in ("backward", "_engine_run_backward", "run_backward") for f in stack
@@ -259,6 +298,9 @@ class Facts:
         gpu = snap.get("gpu_wait")
         if gpu:  # the host thread waits for the GPU: a long kernel, or an NCCL collective
             return Wait("gpu", (gpu.get("nccl") or {}).get("op", "kernel"), gpu)
+        seen = collective_in_stack(snap.get("stack"))
+        if seen:  # the Flight Recorder is blind, the stack is not
+            return Wait("internal", seen["op"], seen)
         return None
 
     # ---- helpers the rules share -------------------------------------------------
@@ -293,7 +335,7 @@ class Facts:
         if w.kind == "internal":
             call = library_call(self.snaps[r].get("stack"))
             inside = f" inside {call['func']}()" if call else ""
-            return f"{rec['op']} (issued by torch{inside}) at {at}"
+            return f"{internal_op(rec)} (issued by torch{inside}) at {at}"
         if w.kind == "gpu":
             return f"the GPU ({gpu_text(rec)}) at {at}"
         return f"the gradient all_reduce inside backward() at {at}"
@@ -379,7 +421,11 @@ class Facts:
                         if w.kind == "internal"
                         else "in backward (DDP/FSDP collectives)"
                     )
-                    op = f"{rec['op']} (torch)" if rec.get("op") else ""
+                    op = (
+                        f"{internal_op(rec).removeprefix('a ')} (torch)"
+                        if w.kind == "internal" or rec.get("op")
+                        else ""
+                    )
                     shapes = ", ".join(str(tuple(x)) for x in rec.get("sizes") or [])
                     where = self.stack_at(r)
                 else:  # gpu

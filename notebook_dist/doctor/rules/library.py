@@ -55,11 +55,12 @@ def library(f: Facts) -> Diagnosis | None:
     call = library_call(f.snaps[r0].get("stack")) or {}
     func = call.get("func", "")
     line = f.wait_line(r0)
+    op = f.waits[r0].op
+    what = f"{op}, a collective torch issued" if op else "a collective torch issued"
     issued = (
-        f"{f.waits[r0].op}, a collective torch issued inside {func}() ({call.get('file')}), "
-        f"called at line {line}"
+        f"{what} inside {func}() ({call.get('file')}), called at line {line}"
         if func
-        else f"{f.waits[r0].op}, a collective torch issued, at {f.stack_at(r0)}"
+        else f"{what}, at {f.stack_at(r0)}"
     )
     if call.get("code"):
         issued += f" (`{call['code']}`)"

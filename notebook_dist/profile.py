@@ -97,9 +97,20 @@ class Profile:
     cuda: bool = False  # GPU ranks: the table also shows exposed (not overlapped) communication
     #: a rank was last because it waited for a CPU: said instead of a verdict on the code
     machine: str | None = None
+    #: ranks whose collectives the Flight Recorder did not record: nothing can be matched
+    unrecorded: list[int] = field(default_factory=list)
 
     def finding(self) -> str:
         """The sentence under the tables: the verdict, the machine's part, or all clear."""
+        if self.unrecorded:
+            return (
+                f"No verdict: torch's Flight Recorder, by which the profile matches each "
+                f"collective across the ranks, recorded none of this cell's collectives on "
+                f"rank{'s' if len(self.unrecorded) > 1 else ''} "
+                f"{', '.join(map(str, self.unrecorded))} (torch before 2.8 records none on Gloo; "
+                "TORCH_FR_BUFFER_SIZE=0 turns it off), so time in collectives, waiting for "
+                "peers and compute are not known."
+            )
         if self.verdict:
             return f"Verdict: {self.verdict}"
         if self.machine:
@@ -111,14 +122,17 @@ class Profile:
         return cols + ("exposed",) if self.cuda else cols
 
     def rank_cells(self, r: RankTime) -> tuple:
+        def secs(value: float) -> str:
+            return "?" if self.unrecorded else f"{value:.3f} s"
+
         cells = (
             r.rank,
             f"{r.wall_s:.3f} s",
-            f"{r.compute_s:.3f} s",
-            f"{r.collectives_s:.3f} s",
-            f"{r.waiting_s:.3f} s",
+            secs(r.compute_s),
+            secs(r.collectives_s),
+            secs(r.waiting_s),
         )
-        return cells + (f"{r.exposed_s:.3f} s",) if self.cuda else cells
+        return cells + (secs(r.exposed_s),) if self.cuda else cells
 
     def text(self) -> str:
         lines = [f"profile of {self.cell} on {len(self.world)} ranks"]
@@ -178,7 +192,7 @@ class Profile:
         verdict = (
             f"<div class='nd-profile-verdict' style='color:#e65100'><b>Verdict:</b> {html.escape(self.verdict)}</div>"
             if self.verdict
-            else f"<div class='nd-profile-verdict' style='color:{'#777' if self.machine else '#43a047'}'>{html.escape(self.finding())}</div>"
+            else f"<div class='nd-profile-verdict' style='color:{'#777' if self.machine or self.unrecorded else '#43a047'}'>{html.escape(self.finding())}</div>"
         )
         trace = (
             f"<div style='color:#777;font-size:11px'>Trace (Perfetto, chrome://tracing): <code>{html.escape(self.trace_path)}</code></div>"
@@ -366,7 +380,10 @@ def analyze(
             )
         )
     verdict = machine = None
-    if found := _straggler(ranks, matched, last_count, late_ns, late_lines, by_key):
+    unrecorded = [r for r in world if profiles[r].get("unrecorded")]
+    if unrecorded:
+        pass  # nothing was matched: no rank can be called late
+    elif found := _straggler(ranks, matched, last_count, late_ns, late_lines, by_key):
         rank, fact, look = found
         if held := _held_by_machine(ranks, rank):
             machine = f"{fact[0].upper()}{fact[1:]} But {held}"
@@ -375,7 +392,17 @@ def analyze(
     path = write_trace(profiles, shift, t_min, cell, trace_dir)
     cuda = any(p.get("cuda") for p in profiles.values())
     return Profile(
-        cell, world, ranks, ops, verdict, path, lanes, (t_max - t_min) / 1e9, cuda, machine
+        cell,
+        world,
+        ranks,
+        ops,
+        verdict,
+        path,
+        lanes,
+        (t_max - t_min) / 1e9,
+        cuda,
+        machine,
+        unrecorded,
     )
 
 

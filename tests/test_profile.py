@@ -344,3 +344,33 @@ def test_gpu_ranks_also_show_exposed_communication():
     assert "<th style='padding:1px 8px;text-align:left'>exposed</th>" in p._repr_html_()
     cpu = analyze({0: _rank(0, [0], end=20 * MS), 1: _rank(1, [0], end=20 * MS)}, {})
     assert "exposed" not in cpu.text()
+
+
+def test_a_profile_without_the_flight_recorder_gives_no_verdict():
+    global arrivals_all
+    arrivals_all = [(i * 60 * MS, i * 60 * MS + 50 * MS) for i in range(5)]
+    blind = {r: dict(_rank(r, []), unrecorded=5) for r in (0, 1)}  # 5 ran, none recorded
+    p = analyze(blind, {0: 0, 1: 0}, "Cell In[4]")
+    assert p.verdict is None and p.machine is None and p.unrecorded == [0, 1]
+    assert p.finding().startswith(
+        "No verdict: torch's Flight Recorder, by which the profile matches each collective "
+        "across the ranks, recorded none of this cell's collectives on ranks 0, 1"
+    )
+    assert "No rank holds the others back" not in p.text()
+    assert p.rank_cells(p.ranks[0])[2:] == ("?", "?", "?")
+
+
+@pytest.mark.slow
+def test_a_straggler_is_not_called_balanced_when_the_flight_recorder_is_off():
+    """torch before 2.8 records no Gloo collective; with the recorder off here the profile
+    cannot match the ranks' collectives, and says so rather than 'No rank holds the
+    others back' while rank 1 sleeps before each all_reduce."""
+    from notebook_dist import DistCluster, DistConfig
+
+    config = DistConfig(extra_env={"TORCH_FR_BUFFER_SIZE": "0"})
+    with DistCluster(n=2, config=config) as blind:
+        code = STRAGGLER_CELL.split("\n", 1)[1]
+        r = blind.run(code, profile=True)
+        r.raise_for_errors()
+        assert r.profile.unrecorded == [0, 1], r.profile.text()
+        assert r.profile.verdict is None and "No verdict" in r.profile.text()

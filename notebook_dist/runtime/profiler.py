@@ -154,15 +154,12 @@ class CellProfile:
                     trace.append({"name": name, "start": start, "end": end, "lane": "main"})
             elif self.cuda and device == "CUDA" and len(trace) < MAX_EVENTS:
                 trace.append({"name": name, "start": start, "end": end, "lane": "gpu"})
-        collectives = _join(
-            [
-                e
-                for e in _fr_entries()
-                if (str(e.get("pg_id")), e.get("collective_seq_id")) not in self.before
-            ],
-            runs,
-            tracked,
-        )
+        entries = [
+            e
+            for e in _fr_entries()
+            if (str(e.get("pg_id")), e.get("collective_seq_id")) not in self.before
+        ]
+        collectives = _join(entries, runs, tracked)
         return {
             "rank": STATE.rank,
             "start": self.t_start,
@@ -174,6 +171,8 @@ class CellProfile:
             **_spent(self.sched),
             "clock": clock_id(),
             "aligned": self.aligned,
+            # collectives ran, but the Flight Recorder (how ranks are matched) saw none
+            "unrecorded": 0 if entries else len(runs) + sum(1 for t in tracked if t.get("seq")),
         }
 
 

@@ -75,6 +75,15 @@ class DistConfig:
     """More NCCL settings for interactive use, each a reason above; set per rank. A user-set
     value that differs is replaced and named when the cluster starts."""
 
+    flight_recorder_entries: int = 2000
+    """``TORCH_FR_BUFFER_SIZE`` for each rank where neither it nor its old name
+    (``TORCH_NCCL_TRACE_BUFFER_SIZE``) is set: how many collectives torch's Flight Recorder
+    keeps. The hang doctor reads it for the collectives torch issues itself (DDP's, DTensor's)
+    and ``--profile`` for where each rank arrived at each collective. torch 2.11 and newer keep
+    2000 by default, 2.8-2.10 none unless it is set, and NCCL before 2.8 reads the old name
+    (set too there). 0 turns the recorder off; the doctor then reads the ranks' stacks, and
+    a profile names no straggler."""
+
     omp_num_threads: str | None = "1"
     """``OMP_NUM_THREADS`` for each rank when the user has not set it, as torchrun does:
     several ranks on one machine otherwise oversubscribe the cores."""

@@ -361,6 +361,27 @@ def test_overridden_environment_is_named():
         del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
 
 
+def test_the_flight_recorder_keeps_collectives_unless_the_user_chose(live):
+    from torch.torch_version import TorchVersion
+
+    from notebook_dist.runtime.bootstrap import flight_recorder_env
+
+    # what the doctor and --profile read: on by default, as torch 2.11 and newer have it
+    said = live.run("import os\nos.environ.get('TORCH_FR_BUFFER_SIZE')")
+    assert dict(said.values) == {0: "2000", 1: "2000"}
+    for version, want in (
+        ("2.9.1", {"TORCH_FR_BUFFER_SIZE": "2000"}),  # 2.8-2.10 keep none by default
+        ("2.6.0+cu124", {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}),
+    ):
+        env: dict[str, str] = {}
+        flight_recorder_env(2000, TorchVersion(version), env)
+        assert env == want, version
+    for chosen in ({"TORCH_FR_BUFFER_SIZE": "0"}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}):
+        env = dict(chosen)
+        flight_recorder_env(2000, TorchVersion("2.6.0"), env)
+        assert env == chosen  # the user's choice, under either name, is kept
+
+
 def test_init_with_other_arguments_says_what_it_replaces(live, run):
     from notebook_dist import session
 

@@ -54,6 +54,7 @@ def join(
                 config.rank_overrides(),
                 processes.control_file(rp.rank),
                 config.publish_interval_s,
+                config.flight_recorder_entries,
             )
         )
     infos = []

@@ -36,6 +36,7 @@ def bootstrap(
     overrides: dict[str, str],
     control_file: str | None = None,
     publish_interval: float = 0.5,
+    flight_recorder_entries: int | None = None,
 ) -> dict:
     """Set torchrun's environment, pin the device, and initialise the default group.
 
@@ -55,6 +56,8 @@ def bootstrap(
     import torch.distributed as dist
 
     t_import = time.perf_counter() - t0
+    if flight_recorder_entries is not None:  # read when the first process group is made
+        flight_recorder_env(flight_recorder_entries, torch.__version__)
     rank = int(env["RANK"])
     world_size = int(env["WORLD_SIZE"])
     if device.startswith("cuda"):
@@ -102,6 +105,19 @@ def bootstrap(
         "init_s": time.perf_counter() - t0,
         "overridden": overridden,
     }
+
+
+def flight_recorder_env(entries: int, torch_version, environ=None) -> None:
+    """Keep ``entries`` collectives in torch's Flight Recorder where the user chose nothing
+    (torch 2.8-2.10 keep none by default). NCCL before torch 2.8 reads only the old name,
+    which newer torch warns about, so the old name is set on older torch only."""
+    environ = os.environ if environ is None else environ
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    if any(name in environ for name in names):
+        return
+    environ[names[0]] = str(entries)
+    if torch_version < "2.8":  # torch's TorchVersion compares with a version string
+        environ[names[1]] = str(entries)
 
 
 def _enable_fault_report(path: str) -> None:

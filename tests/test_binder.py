@@ -20,6 +20,9 @@ def test_binder_requirements_cover_the_project():
     have = {_name(r) for r in reqs}
     assert wanted <= have, f"missing from binder/requirements.txt: {wanted - have}"
     assert have <= wanted, f"binder/requirements.txt has extras pyproject lacks: {have - wanted}"
+    # Binder runs the tutorials: the torch they need, as the lab extra asks for it
+    (lab_torch,) = [r for r in project["optional-dependencies"]["lab"] if _name(r) == "torch"]
+    assert lab_torch in reqs
     # the CPU build of torch: Binder has no GPU, and the CUDA wheels are several GB
     assert any(ln.startswith("--extra-index-url") and ln.endswith("/whl/cpu") for ln in lines)
 

@@ -380,10 +380,12 @@ def analyze(
             )
         )
     verdict = machine = None
+    # where nothing could be matched, no rank can be called late
     unrecorded = [r for r in world if profiles[r].get("unrecorded")]
-    if unrecorded:
-        pass  # nothing was matched: no rank can be called late
-    elif found := _straggler(ranks, matched, last_count, late_ns, late_lines, by_key):
+    found = (
+        None if unrecorded else _straggler(ranks, matched, last_count, late_ns, late_lines, by_key)
+    )
+    if found:
         rank, fact, look = found
         if held := _held_by_machine(ranks, rank):
             machine = f"{fact[0].upper()}{fact[1:]} But {held}"

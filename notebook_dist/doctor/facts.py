@@ -142,9 +142,9 @@ def collective_in_stack(stack: list[dict] | None) -> dict[str, Any] | None:
         return None
     top = inner[-1]
     if top["func"] in _WAITS:
-        return {"op": "", "from_stack": True}
+        return {"op": ""}
     if top["file"].endswith("/distributed_c10d.py"):
-        return {"op": top["func"].lstrip("_"), "from_stack": True}
+        return {"op": top["func"].lstrip("_")}
     return None
 
 

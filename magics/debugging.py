@@ -105,7 +105,10 @@ class DebugMagics(Magics):
         history = list(cluster.history)
         fresh = cluster.restarted()
         session.set_current(fresh)
-        msg = f"notebook_dist: restarted {fresh.world_size} ranks ({fresh.backend}) in {time.perf_counter() - t0:.1f} s"
+        msg = (
+            f"notebook_dist: restarted {fresh.world_size} ranks ({fresh.backend}) in "
+            f"{time.perf_counter() - t0:.1f} s (stopped: {cluster.stop_note})"
+        )
         if args.replay:
             print(msg + f"; replaying {len(history)} cell{'s' if len(history) != 1 else ''}.")
             n = fresh.replay(history)

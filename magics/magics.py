@@ -257,6 +257,9 @@ class DistMagics(Magics):
             columns += ("gpu",)
         title = versions_line(cluster)
         text = title + "\n" + cluster.table(rows, columns)
+        note = cluster.dead_note()
+        if note:
+            text += "\n" + note
         from notebook_dist.ui import widgets_available
 
         if widgets_available():
@@ -296,7 +299,7 @@ class DistMagics(Magics):
                 f"(they are not ours to stop: ipcluster stop {where})."
             )
         else:
-            print("notebook_dist: cluster stopped.")
+            print(f"notebook_dist: cluster stopped: {stopped}.")
 
     # ---- running cells -------------------------------------------------------------
 

@@ -241,6 +241,29 @@ class CellResult:
     elapsed_s: float = 0.0
     released: list[int] = field(default_factory=list)
     profile: Any = None  # notebook_dist.profile.Profile, for a cell run with profile=True
+    #: ranks whose cell ended itself (exit(), sys.exit()): notebook_dist.runtime.exits.report
+    exits: dict[int, dict] = field(default_factory=dict)
+
+    def exit_note(self) -> str:
+        """The one line for the ranks whose cell called exit() or sys.exit(); "" if none."""
+        if not self.exits:
+            return ""
+        from .phrases import rank_list
+
+        groups: dict[tuple, list[int]] = {}
+        for rank, e in sorted(self.exits.items()):
+            groups.setdefault((e["called"], e["code"], e["message"], e["line"]), []).append(rank)
+        parts = []
+        for (called, code, message, line), ranks in groups.items():
+            where = f" at line {line}" if line else ""
+            said = f": {message}" if message else ""
+            parts.append(f"{rank_list(ranks)} called {called}{where} (exit code {code}{said})")
+        these = (
+            "that rank, which stays running with its variables"
+            if len(self.exits) == 1
+            else "those ranks, which stay running with their variables"
+        )
+        return f"notebook_dist: {'; '.join(parts)}. The cell ended there on {these}."
 
     def raise_for_errors(self) -> None:
         if self.errors:
@@ -259,6 +282,8 @@ def collect(ranks: list[int], results: list[dict[str, Any]], gather: list[str]) 
         if res["status"] == "error":
             e = res["error"]
             out.errors[rank] = RemoteTraceback(e["ename"], e["evalue"], e["traceback"])
+        if res.get("exited"):
+            out.exits[rank] = res["exited"]
         if res.get("has_value") and res.get("value") is not None:
             any_value = True  # as in IPython, a None value shows nothing
         values[rank] = res.get("value")

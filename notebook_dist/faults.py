@@ -10,7 +10,6 @@ Each function does what buggy user code does; none of them fakes a diagnosis.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -67,7 +66,7 @@ def die(rank: int = 1, sig: int = signal.SIGKILL, after_s: float = 0.5) -> None:
     torch, dist = _dist()
     if dist.get_rank() == rank:
         time.sleep(after_s)
-        os.kill(os.getpid(), sig)
+        signal.raise_signal(sig)  # itself only: no pid to get wrong
     dist.all_reduce(torch.ones(1))
 
 
@@ -105,7 +104,7 @@ def kill(rank: int = 1, sig: int = signal.SIGKILL) -> None:
     out-of-memory kill. The other ranks go on until they wait for it."""
     _, dist = _dist()
     if dist.get_rank() == rank:
-        os.kill(os.getpid(), sig)
+        signal.raise_signal(sig)  # itself only: no pid to get wrong
 
 
 def p2p_deadlock() -> None:

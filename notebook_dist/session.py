@@ -28,14 +28,13 @@ def set_current(cluster: DistCluster | None) -> None:
     _current = cluster
 
 
-def shutdown() -> bool:
-    """Stop the current cluster; True if there was one."""
+def shutdown() -> str | None:
+    """Stop the current cluster; what it stopped (a sentence), or None if there was none."""
     global _current
     cluster, _current = _current, None
     if cluster is None:
-        return False
-    cluster.shutdown()
-    return True
+        return None
+    return cluster.shutdown() or "the cluster"
 
 
 # kernel shutdown and restart end the Python process: stop the cluster cleanly then.

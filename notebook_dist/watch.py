@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from .doctor import Diagnosis, diagnose
 from .doctor.facts import TRANSPORT_ERROR
 from .execute import OutputStreamer, PreparedCell
+from .phrases import rank_list
 from .values import unpack
 
 
@@ -388,9 +389,7 @@ def engine_error(exc: BaseException) -> dict[str, str]:
     }
 
 
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+_ranks = rank_list
 
 
 def _error_line(traceback_text: str, filename: str) -> int | None:

@@ -208,3 +208,108 @@ ws = [torch.zeros_like(w) for _ in range(nd.world_size)]
 dist.all_gather(ws, w)
 all(torch.equal(ws[0], x) for x in ws)
 """
+
+
+class SignalSpy:
+    """Every signal this process sends while a test runs, checked as it is sent.
+
+    A call is *foreign* when its target is not this process's descendant and not among
+    ``allowed`` (processes a cluster recorded as its own: a Slurm job's tasks are
+    slurmd's children). A target of 1 or less, or a foreign one, is recorded and never
+    passed on, so a regression shows as a failed assertion and harms nothing."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, int]] = []
+        self.foreign: list[tuple[str, int, int]] = []
+        self.allowed: set[int] = set()
+
+    def _ours(self, pid: int, group: bool) -> bool:
+        if pid <= 1:
+            return False
+        if pid in self.allowed:
+            return True
+        me = os.getpid()
+        targets = [pid]
+        if group:  # every member of the group must be ours
+            targets = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pid] or [pid]
+        for target in targets:
+            try:
+                if target not in self.allowed and me not in [
+                    p.pid for p in psutil.Process(target).parents()
+                ]:
+                    return False
+            except psutil.NoSuchProcess:
+                continue
+        return True
+
+    def check(self, call: str, pid: int, sig: int) -> bool:
+        self.calls.append((call, pid, sig))
+        if sig == 0 and pid > 1:
+            return True  # a probe, not a signal
+        if not self._ours(pid, group=call == "killpg"):
+            self.foreign.append((call, pid, sig))
+            return False
+        return True
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _pidfd_pid(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    return -1
+
+
+@pytest.fixture
+def signal_spy(monkeypatch):
+    """A :class:`SignalSpy` on ``os.kill``, ``os.killpg`` and ``signal.pidfd_send_signal``."""
+    spy = SignalSpy()
+    real_kill, real_killpg = os.kill, os.killpg
+    real_pidfd = getattr(signal, "pidfd_send_signal", None)
+
+    def kill(pid, sig):
+        if spy.check("kill", pid, sig):
+            return real_kill(pid, sig)
+
+    def killpg(pgid, sig):
+        if spy.check("killpg", pgid, sig):
+            return real_killpg(pgid, sig)
+
+    def pidfd_send_signal(fd, sig, *args):
+        if spy.check("pidfd", _pidfd_pid(fd), sig):
+            return real_pidfd(fd, sig, *args)
+
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setattr(os, "killpg", killpg)
+    if real_pidfd is not None:
+        monkeypatch.setattr(signal, "pidfd_send_signal", pidfd_send_signal)
+    return spy
+
+
+@pytest.fixture
+def bystanders(tmp_path):
+    """Processes no cluster started, beside it: a sentinel and the ``mpiexec`` of another
+    job (a program of that name, in a session of its own). Yields their Popen objects;
+    the test asserts they survive. Ended here, by pid, after."""
+    import subprocess
+
+    decoy = tmp_path / "mpiexec"
+    shutil.copy("/bin/sleep", decoy)
+    procs = [
+        subprocess.Popen(["sleep", "600"], start_new_session=True),
+        subprocess.Popen([str(decoy), "600"], start_new_session=True),
+    ]
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+ALL_RANKS_EXIT = "%%distributed\nimport os\nos._exit(1)"

@@ -159,3 +159,20 @@ def test_attach_to_nothing_says_how_to_start_one(no_current, run):
         "Start one first, e.g. ipcluster start --profile nosuchprofile --cluster-id nope -n 2 "
         "--daemonize"
     )
+
+
+def test_after_every_attached_rank_died_nothing_is_signalled(
+    ipcluster, no_current, run, signal_spy, bystanders
+):
+    """Last in this module: it ends the ipcluster's engines (the fixture stops the rest)."""
+    from conftest import ALL_RANKS_EXIT
+
+    cluster_id, pids = ipcluster
+    out = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id}")
+    assert out.error is None, out.output
+    out = run(ALL_RANKS_EXIT)
+    assert type(out.error).__name__ == "ClusterError", out.output
+    assert "Every rank of the cell has ended" in str(out.error), str(out.error)
+    assert run("%dist_shutdown").error is None
+    assert [c for c in signal_spy.calls if c[2] != 0] == [], "attach signals nothing"
+    assert [p.poll() for p in bystanders] == [None, None]

@@ -88,9 +88,18 @@ def test_connection_files_are_private(live):
     )  # messages stay signed
 
 
-def test_sys_exit_on_a_rank_is_an_error_not_a_dead_engine(live):
-    r = live.run("import sys\nif nd.rank == 1:\n    sys.exit(3)\n'still here'")
-    assert list(r.errors) == [1] and r.errors[1].ename == "SystemExit" and r.errors[1].evalue == "3"
+def test_sys_exit_on_a_rank_ends_its_cell_not_its_engine(live):
+    import io
+
+    out = io.StringIO()
+    r = live.run("import sys\nif nd.rank == 1:\n    sys.exit(3)\n'still here'", out=out)
+    assert r.errors == {} and dict(r.values) == {0: "still here", 1: None}
+    assert r.exits[1]["code"] == 3 and list(r.exits) == [1]
+    assert out.getvalue() == (
+        "notebook_dist: rank 1 called sys.exit() at line 3 (exit code 3). The cell ended there "
+        "on that rank, which stays running with its variables.\n"
+    )
+    assert live.status()[1]["state"] == "idle (its last cell called sys.exit(), code 3)"
     assert live.dead_ranks() == {}
     assert dict(live.run("nd.rank").values) == {0: 0, 1: 1}
 
@@ -99,10 +108,9 @@ def test_exit_builtin_on_a_rank(live):
     r = live.run("if nd.rank == 0:\n    exit()\n1")
     assert live.dead_ranks() == {}, "exit() in a cell must not end the engine"
     assert dict(live.run("nd.rank").values) == {0: 0, 1: 1}
-    assert not r.errors and dict(r.values) == {
-        0: 1,
-        1: 1,
-    }  # IPython's exit() only asks; the engine stays
+    # as in a script, exit() ends the cell there (IPython's would only ask, and end the engine after)
+    assert not r.errors and dict(r.values) == {0: None, 1: 1}
+    assert r.exits == {0: {"called": "exit()", "code": 0, "message": "", "line": 2}}
 
 
 @pytest.mark.parametrize(
@@ -143,12 +151,13 @@ def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
     cluster = DistCluster(n=2).start()
     fresh = None
     try:
-        from notebook_dist.reaper import group_members
+        from notebook_dist.signals import Started, group_members
 
         engines = [r.pid for r in cluster.ranks]
         reaper = cluster.processes.reaper.proc.pid
         controller = cluster.processes.ipp.controller.pid
-        schedulers = [p for p in group_members(controller) if p != controller]
+        leader = Started.record(controller)
+        schedulers = group_members(leader)
         assert schedulers, "expected the controller's scheduler processes in its group"
         os.kill(controller, signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -157,7 +166,7 @@ def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
         assert pids_alive(engines + schedulers + [reaper]) == [], (
             "processes outlived their controller by 10 s"
         )
-        assert group_members(controller) == []
+        assert group_members(leader) == []
         with pytest.raises(ClusterError) as info:
             cluster.run("1")
         assert str(info.value).startswith("the ipyparallel controller of this cluster is gone")

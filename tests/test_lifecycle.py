@@ -56,10 +56,10 @@ def _kernel_with_cluster(tmp_path):
 
 
 def test_kernel_sigkill_leaves_no_process_behind(tmp_path):
-    from notebook_dist.reaper import group_members
+    from notebook_dist.signals import Started, group_members
 
     with _kernel_with_cluster(tmp_path) as (km, _, pids):
-        controller = pids[2]
+        controller = Started.record(pids[2])
         family = pids + [p for p in group_members(controller) if p not in pids]  # schedulers
         os.kill(km.provisioner.process.pid, signal.SIGKILL)
         left = _wait_gone(family, 10.0)

@@ -42,7 +42,7 @@ def test_mpi_launcher_runs_ranks_in_mpi_order_and_stops_them_all(no_current, run
     mpiexec = next(iter(cluster.processes.ipp.engines.values())).pid
     pids = [r.pid for r in cluster.ranks] + [mpiexec, cluster.processes.ipp.controller.pid]
     out = run("%dist_shutdown")
-    assert out.stdout.strip() == "notebook_dist: cluster stopped."
+    assert out.stdout.strip() == "notebook_dist: cluster stopped: the controller and 2 ranks."
     deadline = time.monotonic() + 10
     while pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -140,3 +140,22 @@ def test_kernel_sigkill_leaves_no_mpi_process(tmp_path):
         km.cleanup_resources()
         for pid in pids_alive(pids):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_after_every_mpi_rank_died_shutdown_signals_only_its_own(
+    no_current, run, signal_spy, bystanders
+):
+    from conftest import ALL_RANKS_EXIT
+
+    from notebook_dist import session
+
+    assert run("%dist_init --launcher mpi -n 2").error is None
+    cluster = session.current()
+    signal_spy.allowed = {p.pid for p in cluster.processes.started}
+    out = run(ALL_RANKS_EXIT)
+    assert type(out.error).__name__ == "ClusterError", out.output
+    out = run("%dist_shutdown")
+    assert out.error is None, out.output
+    assert out.stdout.startswith("notebook_dist: cluster stopped: the controller; every rank had")
+    assert signal_spy.foreign == [], signal_spy.calls
+    assert [p.poll() for p in bystanders] == [None, None], "a bystander (another mpiexec) was hit"

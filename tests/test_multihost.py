@@ -413,3 +413,27 @@ def test_ssh_ranks_end_when_their_controller_dies(hosts):
         print(f"engines on the hosts ended {took:.1f} s after their controller")
     finally:
         cluster.shutdown()
+
+
+def test_after_every_ssh_rank_died_shutdown_signals_only_its_own(
+    hosts, no_current, run, signal_spy, bystanders
+):
+    import shlex
+
+    from conftest import ALL_RANKS_EXIT
+
+    from notebook_dist import session
+
+    a, b = HOSTS.values()
+    out = run(
+        f"%dist_init --launcher ssh --hosts root@{a}:1,root@{b}:1 --network "
+        f"--ssh {shlex.quote(' '.join(hosts['ssh_opts']))}"
+    )
+    assert out.error is None, out.output
+    cluster = session.current()
+    signal_spy.allowed = {p.pid for p in cluster.processes.started}
+    out = run(ALL_RANKS_EXIT)
+    assert type(out.error).__name__ == "ClusterError", out.output
+    assert run("%dist_shutdown").error is None
+    assert signal_spy.foreign == [], signal_spy.calls
+    assert [p.poll() for p in bystanders] == [None, None]

@@ -180,3 +180,26 @@ def test_a_job_slurm_refuses_is_reported(slurm, no_current, run):
     assert type(out.error).__name__ == "ClusterError", out.output
     assert "failed (exit 1)" in str(out.error) and "invalid partition" in str(out.error).lower()
     assert _jobs() == []
+
+
+def test_after_every_slurm_rank_died_shutdown_signals_only_its_own(
+    slurm, no_current, run, signal_spy, bystanders
+):
+    from conftest import ALL_RANKS_EXIT
+
+    from notebook_dist import session
+
+    out = run('%dist_init --launcher slurm -n 2 --sbatch "--time=10 --job-name=nd-dead"')
+    assert out.error is None, out.output
+    cluster = session.current()
+    signal_spy.allowed = {p.pid for p in cluster.processes.started}
+    assert {r.pid for r in cluster.ranks} <= signal_spy.allowed  # the job's tasks, as reported
+    out = run(ALL_RANKS_EXIT)
+    assert type(out.error).__name__ == "ClusterError", out.output
+    assert run("%dist_shutdown").error is None
+    assert signal_spy.foreign == [], signal_spy.calls
+    assert [p.poll() for p in bystanders] == [None, None]
+    deadline = time.monotonic() + 15
+    while _jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _jobs() == []

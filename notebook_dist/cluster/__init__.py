@@ -22,6 +22,7 @@ change when engines restart).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, TextIO
@@ -36,7 +37,14 @@ from ..watch import CellWatch
 from . import cells, recovery
 from . import ranks as rank_setup
 from .launchers import make as make_launcher
-from .processes import Processes, check_port, check_python, free_port
+from .processes import (
+    Processes,
+    check_port,
+    check_python,
+    ended_message,
+    free_port,
+    stop_note,
+)
 from .ranks import RankInfo
 
 __all__ = ["DistCluster", "RankInfo", "free_port"]
@@ -110,6 +118,8 @@ class DistCluster:
         self.history: list[PreparedCell] = []
         #: why the ranks have no process group (a rebuild failed); the next cell tries again
         self.group_lost: str | None = None
+        #: what shutdown() stopped, in a sentence
+        self.stop_note = ""
 
     def _processes(self) -> Processes:
         return Processes(self.config, self.launcher)
@@ -164,13 +174,22 @@ class DistCluster:
     def discard(self) -> None:
         """Let go of a cluster that was planned but will not start (nothing to do here)."""
 
-    def shutdown(self) -> None:
-        """Stop every process this cluster started; safe to call more than once."""
+    def shutdown(self) -> str:
+        """Stop every process this cluster started; safe to call more than once. Returns
+        what it stopped, in a sentence (ranks that had already ended are named)."""
         if self.state == "stopped":
-            return
+            return self.stop_note
+        dead: dict[int, str] = {}
+        gone = False
+        if self.state == "running":
+            with contextlib.suppress(Exception):  # a broken controller must not stop the stop
+                gone = not self.processes.controller_alive()
+                dead = self.processes.dead_ranks()
         self.state = "stopping"
         self.processes.stop(also_remove=(self.shm_dir,))
         self.state = "stopped"
+        self.stop_note = stop_note(self.world_size, dead, gone) if self.ranks else "the controller"
+        return self.stop_note
 
     def __enter__(self) -> DistCluster:
         return self.start() if self.state == "new" else self
@@ -201,6 +220,11 @@ class DistCluster:
 
     def controller_alive(self) -> bool:
         return self.processes.controller_alive()
+
+    def dead_note(self) -> str:
+        """What to say when ranks have ended, and what to do; "" while every rank lives."""
+        dead = self.dead_ranks() if self.running else {}
+        return ended_message(dead, self.world_size) if dead else ""
 
     # ---- running on the ranks (cells.py) --------------------------------------------------
 

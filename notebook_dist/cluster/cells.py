@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import uuid
 from typing import Any, TextIO
@@ -91,6 +92,10 @@ def run(
             del result.errors[r]
     result.released = sorted(watch.released)
     result.elapsed_s = time.perf_counter() - t0
+    if result.exits:
+        stream = out or sys.stdout
+        stream.write(result.exit_note() + "\n")
+        stream.flush()
     if profile:
         from ..profile import analyze
 
@@ -219,12 +224,21 @@ def status(cluster) -> list[dict[str, Any]]:
         elif r.rank in dead:
             state = f"dead ({dead[r.rank]})"
         elif r.rank in idle:
-            state = "idle"
+            exit_ = (health.get(r.rank) or {}).get("last_exit")
+            state = (
+                f"idle (its last cell called {exit_['called']}, code {exit_['code']})"
+                if exit_
+                else "idle"
+            )
         else:
             state = "busy"
         h = health.get(r.rank)
         pg = (
-            "unknown (busy)" if h is None else ("ok" if h.get("initialized") else "not initialised")
+            "-"
+            if r.rank in dead
+            else "unknown (busy)"
+            if h is None
+            else ("ok" if h.get("initialized") else "not initialised")
         )
         gpu = (h or {}).get("gpu")
         rows.append(

@@ -56,9 +56,10 @@ class Launcher:
         """What a failed ``start_engines`` means to the user (None: raise it as it is)."""
         return None
 
-    def watch_while_starting(self, engine_set, launchers: list) -> list[int]:
-        """Local pids the reaper watches while the engines start."""
-        return [el.pid for el in launchers if engines.is_local(el)]
+    def started_processes(self, engine_set, launchers: list) -> list:
+        """The ipyparallel launchers whose process this kernel started (each is recorded,
+        by pid and start time, for the reaper and for stopping)."""
+        return [el for el in launchers if engines.is_local(el)]
 
     def check_starting(self, engine_set, launchers: list, registered: int, n: int) -> None:
         """While the engines register: raise :class:`ClusterError` once they cannot all come."""
@@ -107,8 +108,8 @@ class MPILauncher(Launcher):
     def environment(self):
         return dict(self._mpi()[1])
 
-    def watch_while_starting(self, engine_set, launchers):
-        return [engine_set.pid]  # mpiexec: one process starts them all
+    def started_processes(self, engine_set, launchers):
+        return [engine_set]  # mpiexec: one process starts them all
 
     def check_starting(self, engine_set, launchers, registered, n):
         super().check_starting(engine_set, launchers, registered, n)
@@ -156,7 +157,7 @@ class SlurmLauncher(Launcher):
             + (f": {said}" if said else "")
         )
 
-    def watch_while_starting(self, engine_set, launchers):
+    def started_processes(self, engine_set, launchers):
         return []  # the job's tasks are not our children
 
     def check_starting(self, engine_set, launchers, registered, n):

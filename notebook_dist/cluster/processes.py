@@ -21,6 +21,7 @@ from ..errors import ClusterError, PreflightError
 from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
+from ..signals import Started
 from . import engines
 from .launchers import Launcher
 
@@ -48,6 +49,11 @@ class Processes:
         #: rank -> the launcher of its engine (its exit code; for ssh, the way to its host)
         self.rank_launchers: dict[int, Any] = {}
         self._by_pid: dict[int, Any] = {}
+        #: every local process this cluster started, as recorded when it started: the only
+        #: ones it ever signals (notebook_dist.signals)
+        self.started: list[Started] = []
+        #: rank -> its engine's process, for ranks on this machine
+        self.rank_procs: dict[int, Started] = {}
 
     # ---- starting ---------------------------------------------------------------------
 
@@ -82,7 +88,9 @@ class Processes:
             parent=None,
         )
         cluster.start_controller_sync()
-        self.reaper.watch(cluster.controller.pid, anchor=True)
+        controller = self._record(cluster.controller, "controller")
+        if controller is not None:
+            self.reaper.watch(controller, anchor=True)
         try:
             engine_set_id = cluster.start_engines_sync(n)
         except Exception as exc:
@@ -92,8 +100,10 @@ class Processes:
             raise said from None
         engine_set = cluster.engines[engine_set_id]
         launchers = list(getattr(engine_set, "launchers", {}).values())
-        for pid in launcher.watch_while_starting(engine_set, launchers):
-            self.reaper.watch(pid)
+        for el in launcher.started_processes(engine_set, launchers):
+            proc = self._record(el, "engine")
+            if proc is not None:
+                self.reaper.watch(proc)
         self.client = client = cluster.connect_client_sync()
         deadline = time.monotonic() + self.config.start_timeout_s
         while len(client.ids) < n:
@@ -105,7 +115,7 @@ class Processes:
                 )
             time.sleep(0.02)
         self.engine_ids = sorted(client.ids)[:n]
-        self._by_pid = {el.pid: el for el in launchers if engines.is_local(el)}
+        self._by_pid = {p.pid: el for el in launchers for p in self.started if p.pid == el.pid}
         if not launcher.ordered_by_probe:
             return None
         from ..plan import rank_order
@@ -115,15 +125,36 @@ class Processes:
         self.engine_ids = rank_order(probes)
         return [probes[e] for e in self.engine_ids]
 
+    def _record(self, el, what: str) -> Started | None:
+        """A launcher's process, if it is one this process started (a launcher's ``pid`` is
+        -1 until its process exists, and an ssh launcher's pid is on another host)."""
+        if not engines.is_local(el):
+            return None
+        proc = Started.record(getattr(el, "pid", None), what, parent=os.getpid())
+        if proc is not None:
+            self.started.append(proc)
+        return proc
+
     def ranks_joined(self, ranks: list) -> None:
-        """The engines are ranks now: each rank's launcher, and the pids the reaper watches
-        when the engines are not this process's children."""
+        """The engines are ranks now: each rank's launcher and process. Ranks that are not
+        this process's children (mpiexec's, a Slurm job's) are recorded as they reported
+        themselves when they joined (pid and start time, from inside the rank), and watched
+        by the reaper."""
         self.ranks = ranks
+        ours = {p.pid: p for p in self.started}
         for r in ranks:
             self.rank_launchers[r.rank] = self._by_pid.get(r.pid)
-        if self.launcher.watch_rank_pids and self.reaper is not None:
-            for r in ranks:
-                self.reaper.watch(r.pid)
+            if not self.local(r.rank):
+                continue
+            proc = ours.get(r.pid)
+            if proc is None and self.launcher.watch_rank_pids:
+                proc = Started.reported(r.pid, r.start, f"rank {r.rank}")
+                if proc is not None:
+                    self.started.append(proc)
+                    if self.reaper is not None:
+                        self.reaper.watch(proc)
+            if proc is not None:
+                self.rank_procs[r.rank] = proc
 
     @property
     def cluster_id(self) -> str:
@@ -169,7 +200,7 @@ class Processes:
                 if el.exited.is_set():
                     dead[r.rank] = engines.describe_exit(el.exit_code)
             elif self.local(r.rank):  # started by mpiexec or someone else: no exit code
-                if not pid_running(r.pid):
+                if not still_running(r):
                     dead[r.rank] = "ended (its engine process is gone)"
             else:
                 if registered is None:
@@ -179,13 +210,10 @@ class Processes:
         return dead
 
     def controller_alive(self) -> bool:
-        from ..reaper import _alive, process_start_time
+        from ..signals import is_running
 
-        controller = self.ipp.controller if self.ipp is not None else None
-        if controller is None:
-            return False
-        pid = controller.pid
-        return _alive(pid, "") and process_start_time(pid) != ""
+        controller = next((p for p in self.started if p.what == "controller"), None)
+        return controller is not None and is_running(controller)
 
     def check_alive(self, ranks: list[int]) -> None:
         """Refuse at once (nothing is sent) when the controller or a selected rank is gone."""
@@ -196,10 +224,7 @@ class Processes:
             )
         dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
         if dead:
-            what = "; ".join(f"rank {r} {how}" for r, how in dead.items())
-            raise ClusterError(
-                f"{what}. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
-            )
+            raise ClusterError(ended_message(dead, len(self.ranks)))
 
     # ---- stopping ---------------------------------------------------------------------
 
@@ -211,14 +236,10 @@ class Processes:
             out.extend(getattr(es, "launchers", {}).values() or [es])  # mpiexec: the set itself
         return out
 
-    def stop(self, also_remove: tuple[str | None, ...] = ()) -> None:
-        """Stop every process started here, by pid; remove the cluster's folders."""
-        # local processes only (a Slurm job has no pid; an ssh launcher's pid is remote)
+    def stop(self, also_remove: tuple[str | None, ...] = ()) -> list[Started]:
+        """Stop every process started here, by pid; remove the cluster's folders. Returns
+        the recorded processes that were still running and had to be ended here."""
         launchers = self.all_launchers()  # (stopping the cluster forgets them)
-        pids = [getattr(el, "pid", None) for el in launchers if engines.is_local(el)]
-        pids += [r.pid for r in self.ranks if self.local(r.rank)]
-        if self.ipp is not None and self.ipp.controller is not None:
-            pids.append(self.ipp.controller.pid)
         self._exit_idle_ranks()
         if self.client is not None:
             try:
@@ -233,15 +254,16 @@ class Processes:
             stop_loop_thread(self.ipp)
             engines.remove_remote_dirs(launchers, also=self.profile_dir)
             self.ipp.shutdown_atexit = False  # what it could not stop, we end below
-        # whatever ipyparallel did not stop, we do (by pid, only what we started)
-        from ..reaper import end_processes, process_start_time
+        # whatever ipyparallel did not stop, we do: only what was recorded as started here
+        from ..signals import end
 
-        end_processes({pid: process_start_time(pid) for pid in pids if pid})
+        ended = end(self.started)
         if self.reaper is not None:
             self.reaper.release()
         for path in (self.profile_dir, *also_remove):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
+        return ended
 
     def _exit_idle_ranks(self, wait_s: float = 2.0) -> None:
         """Idle ranks end themselves at once: a rank's interpreter can take seconds to exit
@@ -252,13 +274,11 @@ class Processes:
         launchers = [
             el for el in self.rank_launchers.values() if el is not None and not el.exited.is_set()
         ]
-        others = [
-            r.pid
-            for r in self.ranks
-            if self.rank_launchers.get(r.rank) is None and self.local(r.rank)
-        ]
+        others = [proc for r, proc in self.rank_procs.items() if self.rank_launchers.get(r) is None]
         if not launchers and not others:
             return
+        from ..signals import is_running
+
         try:
             self.view(self.engine_ids).apply_async(rt_bootstrap.exit_now)
         except Exception:
@@ -266,17 +286,44 @@ class Processes:
         deadline = time.monotonic() + wait_s
         for el in launchers:
             el.exited.wait(max(0.0, deadline - time.monotonic()))
-        while any(pid_running(p) for p in others) and time.monotonic() < deadline:
+        while any(is_running(p) for p in others) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
-def pid_running(pid: int) -> bool:
-    import psutil
+def ended_message(dead: dict[int, str], world_size: int) -> str:
+    """What to say of ranks whose processes have ended, and what to do."""
+    what = "; ".join(f"rank {r} {how}" for r, how in sorted(dead.items()))
+    if len(dead) == world_size and world_size > 1:
+        return (
+            f"Every rank has ended: {what}. Their variables are gone. Run %dist_restart for fresh "
+            "ranks (add --replay to re-run your setup cells), or %dist_shutdown."
+        )
+    return f"{what}. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
 
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+
+def stop_note(world_size: int, dead: dict[int, str], controller_gone: bool = False) -> str:
+    """What stopping a cluster stopped, as a phrase ("the controller and 2 ranks"); ranks
+    that had already ended (``dead``) are named with how they ended."""
+    alive = world_size - len(dead)
+    parts = ["the controller"] if not controller_gone else []
+    if alive:
+        parts.append(f"{alive} rank{'s' if alive != 1 else ''}")
+    said = " and ".join(parts) or "nothing left running"
+    if dead:
+        what = "; ".join(f"rank {r} {how}" for r, how in sorted(dead.items()))
+        if len(dead) == world_size:
+            said += f"; every rank had already ended ({what})"
+        else:
+            said += f"; {what} before"
+    return said
+
+
+def still_running(rank) -> bool:
+    """Whether a rank's process on this machine still runs: the same pid and start time it
+    reported when it joined, and not a zombie."""
+    from ..signals import Started, is_running
+
+    return is_running(Started(rank.pid, rank.start))
 
 
 def stop_loop_thread(obj) -> None:

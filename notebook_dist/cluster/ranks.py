@@ -24,6 +24,7 @@ class RankInfo:
     device: str
     backend: str
     machine: str = ""  # machine_id(): which ranks share a host with the notebook
+    start: str = ""  # the process's start time, as the rank read it (with pid: this process)
 
 
 def rendezvous_port(processes: Processes, plan: ClusterPlan) -> int:
@@ -70,7 +71,9 @@ def join(
                 + import_hint(message, config)
             ) from None
     ranks = [
-        RankInfo(rank, eid, i["host"], i["pid"], i["device"], i["backend"], i["machine"])
+        RankInfo(
+            rank, eid, i["host"], i["pid"], i["device"], i["backend"], i["machine"], i["start"]
+        )
         for rank, (i, eid) in enumerate(zip(infos, processes.engine_ids))
     ]
     overridden: dict[str, str] = {}

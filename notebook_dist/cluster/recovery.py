@@ -5,8 +5,6 @@ nothing else helps, fresh engines with the cells replayed."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import sys
 import time
@@ -20,12 +18,16 @@ from .ranks import remote_message, rendezvous_port
 
 
 def interrupt(cluster, ranks: Any = None) -> None:
-    """SIGINT to the selected ranks (like the notebook's stop button)."""
+    """SIGINT to the selected ranks (like the notebook's stop button): by pid to the ranks
+    this cluster started on this machine, through the controller to the others (an
+    attached cluster's engines, ranks on other hosts), whose nanny signals its engine."""
+    from ..signals import send
+
     processes = cluster.processes
     for r in cluster.select(ranks):
-        if processes.local(r):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(cluster.ranks[r].pid, signal.SIGINT)
+        proc = processes.rank_procs.get(r)
+        if proc is not None:
+            send(proc, signal.SIGINT)
         else:  # through the controller, which asks the engine's host
             processes.client.send_signal(
                 signal.SIGINT, targets=[cluster.ranks[r].engine_id], block=False

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..phrases import rank_list
+
 RANK_WORDS = ("rank", "is_main", "local_rank")
 # how a collective fails when a peer's connections close under it (a peer that died or was
 # released); torch-internal ones, such as DDP's gradient all_reduce, never pass the tracker
@@ -56,8 +58,7 @@ def shape_text(shapes: list) -> str:
     )
 
 
-def plural(ranks: list[int], one: str = "rank", many: str = "ranks") -> str:
-    return f"{one if len(ranks) == 1 else many} {', '.join(map(str, sorted(ranks)))}"
+plural = rank_list  # the doctor's name for the package's one way of writing ranks
 
 
 def verb(ranks: list[int], singular: str, plural_form: str) -> str:

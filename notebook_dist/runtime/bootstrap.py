@@ -90,6 +90,10 @@ def bootstrap(
     ns.setdefault("torch", torch)
     ns.setdefault("dist", dist)
     ns.setdefault("nd", sys.modules[__package__.partition(".")[0]])  # the package (imported)
+    from .exits import install as script_exits
+
+    script_exits(ns)  # exit() ends the cell on this rank, not the rank
+    from ..signals import start_time
     from .host import machine_id
 
     return {
@@ -97,6 +101,7 @@ def bootstrap(
         "host": socket.gethostname(),
         "machine": machine_id(),
         "pid": os.getpid(),
+        "start": start_time(os.getpid()),  # with the pid: this very process, for signalling
         "device": device,
         "backend": dist.get_backend(),
         "torch": torch.__version__,
@@ -175,6 +180,7 @@ def health() -> dict:
     from .devices import gpu_state
 
     info = {"pid": os.getpid(), "initialized": dist.is_available() and dist.is_initialized()}
+    info["last_exit"] = STATE.last_exit
     info["gpu"] = gpu_state()
     if info["initialized"]:
         info["backend"] = dist.get_backend()

@@ -111,6 +111,7 @@ def run_cell(
     TRACKER.reset_cell(keep_all=prof is not None)
     STATE.reset_cell(time.time(), token)
     STATE.last_error = None  # %dist_debug looks at the last cell only
+    STATE.last_exit = None
     if prof is not None:
         prof.__enter__()
     try:
@@ -123,7 +124,11 @@ def run_cell(
         if last is not None:
             result["value"] = eval(compile(last, filename, "eval"), ns)
             result["has_value"] = True
-    except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the engine lives on
+    except SystemExit as exc:  # exit(), quit(), sys.exit(): the cell ends, the rank stays
+        from .exits import report
+
+        result["exited"] = STATE.last_exit = report(exc, filename)
+    except BaseException as exc:  # KeyboardInterrupt included: the engine lives on
         STATE.last_error = (exc, exc.__traceback__)
         result["status"] = "error"
         result["error"] = _error(exc, filename)

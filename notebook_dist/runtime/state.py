@@ -18,6 +18,8 @@ class RankState:
     bootstrapped: bool = False
     #: the last exception a cell raised on this rank: (exc, traceback), for post-mortems
     last_error: tuple[BaseException, Any] | None = None
+    #: how the last cell ended itself (exit(), sys.exit()): notebook_dist.runtime.exits.report
+    last_exit: dict | None = None
     #: "idle", "running", "done" or "error": what the current/last cell is doing here
     cell_state: str = "idle"
     cell_started: float = 0.0

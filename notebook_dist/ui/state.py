@@ -177,4 +177,5 @@ def cluster_state(cluster, rows: list[dict] | None = None, title: str = "") -> D
         st.rows[r["rank"]] = RankRow(
             rank=r["rank"], state=state, last_output=r["state"], gpu=r.get("gpu", "")
         )
+    st.verdict = cluster.dead_note() or None
     return st

@@ -30,6 +30,10 @@ def dead(f: Facts) -> Diagnosis | None:
         return text
 
     how = "; ".join(f"rank {r} {f.info[r].get('exit', 'died')}{at(r)}" for r in f.dead)
+    then = "Run %dist_restart (add --replay to re-run your setup cells)."
+    if len(f.dead) > 1 and set(f.dead) == set(f.info):
+        how = f"Every rank of the cell has ended: {how}"
+        then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells), or %dist_shutdown."
     hint = ""
     if any("SIGABRT" in str(f.info[r].get("exit", "")) for r in f.dead):
         hint = (
@@ -47,7 +51,7 @@ def dead(f: Facts) -> Diagnosis | None:
     return make(
         f,
         "dead",
-        f"{how}.{tail}{hint} Run %dist_restart (add --replay to re-run your setup cells).",
+        f"{how}.{tail}{hint} {then}",
         f.dead,
         line,
     )

@@ -1,0 +1,122 @@
+"""One scenario that ends every rank, run as pid 1 of a fresh PID namespace.
+
+``unshare --pid --fork --mount-proc python pidns_scenario.py HOW THEN``: this process is
+init of the namespace, so a signal sent to pid -1 from inside (every process the sender
+may signal) reaches every other process of the namespace and nothing outside it. Beside
+the notebook kernel runs a sentinel that nothing may signal; it is checked after each
+step. Prints one JSON object: what each step printed, and whether the sentinel and the
+kernel lived.
+
+HOW ends every rank: ``os_exit`` (``os._exit(1)``), ``sigkill``, or ``exit`` and
+``sys_exit`` (which must end the cell, not the rank). THEN: ``shutdown``, ``restart``,
+``replay`` (``%dist_restart --replay``), ``kernel_shutdown`` (the kernel ends without
+either) or ``kernel_kill`` (the kernel is SIGKILLed: the reaper ends the cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ENDINGS = {
+    "os_exit": "import os\nos._exit(1)",
+    "sigkill": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+    "exit": "print('before')\nexit()\nprint('after')",
+    "sys_exit": "import sys\nprint('before')\nsys.exit(3)\nprint('after')",
+}
+
+
+def main(how: str, then: str) -> dict:
+    report: dict = {"steps": []}
+    sentinel = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    folder = tempfile.mkdtemp(prefix="nd-pidns-")
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ, IPYTHONDIR=os.path.join(folder, "ipython"))
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=folder)
+
+    def step(name: str, code: str, timeout: float = 120.0) -> None:
+        texts: list[str] = []
+
+        def hook(msg):
+            c = msg["content"]
+            if msg["msg_type"] == "stream":
+                texts.append(c["text"])
+            elif msg["msg_type"] == "error":
+                texts.append(f"{c['ename']}: {c['evalue']}\n")
+            elif msg["msg_type"] in ("display_data", "execute_result"):
+                texts.append(c["data"].get("text/plain", "") + "\n")
+
+        try:
+            kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+        except Exception as exc:  # a kernel that was killed does not answer
+            texts.append(f"no reply: {type(exc).__name__}")
+        report["steps"].append(
+            {"step": name, "text": "".join(texts), "sentinel": sentinel.poll() is None}
+        )
+
+    try:
+        step("init", "%load_ext notebook_dist\n%dist_init -n 2\nx = 1")
+        step("setup", "%%distributed\nkept = nd.rank + 10")
+        step("end ranks", "%%distributed\n" + ENDINGS[how])
+        time.sleep(1.0)  # the engines' exits are seen
+        step("next cell", "%%distributed\nkept")
+        step("status", "%dist_status")
+        if then == "shutdown":
+            step(then, "%dist_shutdown")
+        elif then in ("restart", "replay"):
+            step(then, "%dist_restart" + (" --replay" if then == "replay" else ""))
+            step("after restart", "%%distributed\n" + ("kept" if then == "replay" else "nd.rank"))
+            step("shutdown", "%dist_shutdown")
+        elif then == "kernel_shutdown":
+            km.shutdown_kernel(now=False)
+        elif then == "kernel_kill":
+            km.provisioner.process.kill()  # SIGKILL: no atexit runs, only the reaper
+            km.provisioner.process.wait()
+        report["kernel_alive"] = km.is_alive()
+        time.sleep(1.0 if then.startswith("kernel") else 0.0)  # the reaper's turn
+    finally:
+        report["sentinel"] = sentinel.poll() is None
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+        sentinel.kill()
+        sentinel.wait()
+    # what is left in the namespace besides this process (its unreaped children excluded)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = _others()
+        if not left:
+            break
+        time.sleep(0.2)
+    report["left"] = _others()
+    return report
+
+
+def _others() -> list[str]:
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[-1].split()[0] != "Z":
+            out.append(f"{name} {cmd}")
+    return out
+
+
+if __name__ == "__main__":
+    if os.getpid() != 1:
+        sys.exit("run me as pid 1 of a fresh PID namespace (unshare --pid --fork --mount-proc)")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)

@@ -536,3 +536,46 @@ def test_a_release_asked_for_a_cell_that_ended_closes_nothing(cluster):
     assert dict(cluster.apply(release_cell, ended)) == {0: None, 1: None}
     assert dict(cluster.apply(release_cell, "another cell")) == {0: None, 1: None}
     assert_recovered(cluster)
+
+
+@pytest.mark.parametrize(
+    "call, said",
+    [
+        ("dist.broadcast(t, src=nd.rank)", "rank 0 broadcasts from src=0 and rank 1 from src=1"),
+        ("dist.reduce(t, dst=nd.rank)", "rank 0 reduces to dst=0 and rank 1 to dst=1"),
+        (
+            "dist.scatter(t, [torch.ones(2), torch.ones(2)], src=nd.rank)",
+            "rank 0 scatters from src=0 and rank 1 from src=1",
+        ),
+        (
+            "dist.gather(t, [torch.empty(2), torch.empty(2)], dst=nd.rank)",
+            "rank 0 gathers to dst=0 and rank 1 to dst=1",
+        ),
+    ],
+)
+def test_ranks_that_each_believe_they_are_the_root_are_told_so(cluster, call, said):
+    op, root = call.split("(")[0].split(".")[1], ("src" if "src=" in call else "dst")
+    diag, _ = run_until_verdict(cluster, f"t = torch.ones(2)\n{call}\n")
+    assert diag.kind == "argument" and diag.culprits == [0, 1] and diag.line == 3
+    assert diag.verdict.startswith(
+        f"At {op} #1 (line 3) the ranks pass different {root}: {said}. Every rank must pass "
+        f"the same {root}"
+    )
+    assert_recovered(cluster)
+
+
+def test_a_collective_inside_a_helper_from_an_earlier_cell_names_the_helper(cluster):
+    cluster.run(
+        "def evaluate(t):\n    t = t * 2\n    dist.all_reduce(t)\n    return t\n",
+        filename="Cell In[3]",
+        header="%%distributed",
+    ).raise_for_errors()
+    diag, out = run_until_verdict(cluster, "t = torch.ones(2)\nif nd.rank == 0:\n    evaluate(t)\n")
+    assert diag.kind == "conditional" and diag.culprits == [0] and diag.line == 4
+    assert diag.verdict.startswith(
+        "Rank 0 called all_reduce #1 at line 4 of evaluate() in Cell In[3], called from line 4 "
+        "of this cell, but rank 1 finished the cell without calling it. The call at line 4 is "
+        "inside `if nd.rank == 0:` (line 3)"
+    )
+    assert "Cell In[3], line 4, in evaluate" in out  # the stack names the helper's cell too
+    assert_recovered(cluster)

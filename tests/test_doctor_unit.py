@@ -1,5 +1,7 @@
 """The doctor as a pure function, on synthetic snapshots (3+ ranks, two process groups)."""
 
+import pytest
+
 from notebook_dist.doctor import diagnose, format_stacks, rank_condition
 from notebook_dist.doctor.facts import rank_loop
 
@@ -8,9 +10,17 @@ NOW = 1000.0
 
 
 def rec(
-    seq, op, line, shapes=((4,),), dtypes=("float32",), group="default", group_ranks=None, t0=990.0
+    seq,
+    op,
+    line,
+    shapes=((4,),),
+    dtypes=("float32",),
+    group="default",
+    group_ranks=None,
+    t0=990.0,
+    args=None,
 ):
-    return {
+    out = {
         "seq": seq,
         "op": op,
         "group": group,
@@ -20,6 +30,9 @@ def rec(
         "where": (CELL, line),
         "t0": t0,
     }
+    if args is not None:
+        out["args"] = dict(args)
+    return out
 
 
 def running(current=None, history=(), stack=None):
@@ -487,7 +500,8 @@ def snapshots(draw):
         seq = draw(st.integers(1, 3))
         line = draw(st.integers(2, 9))
         if kind == "coll":
-            ranks[r] = running(rec(seq, op, line))
+            args = draw(st.sampled_from([None, {"src": 0}, {"src": 1}, {"async_op": True}]))
+            ranks[r] = running(rec(seq, op, line, args=args))
         elif kind == "p2p":
             ranks[r] = running(
                 p2p(
@@ -533,6 +547,12 @@ def test_a_verdict_never_contradicts_its_table(ranks, source):
         }, (states, d.verdict)
     if any(s.startswith(("in send", "in recv", "in isend", "in irecv")) for s in states):
         assert "network" not in d.verdict, (states, d.verdict)
+    if "with matching arguments" in d.verdict:  # said only when every compared one matches
+        recs = [v["snap"]["collective"] for v in ranks.values()]
+        agree = {
+            repr({k: v for k, v in (x.get("args") or {}).items() if k != "async_op"}) for x in recs
+        }
+        assert len(agree) == 1, (recs, d.verdict)
     for r in d.culprits:  # every rank a verdict blames is a rank of the table
         assert r in ranks
     assert d.verdict and d.rule
@@ -552,3 +572,77 @@ def test_a_loop_whose_length_depends_on_the_rank_is_named():
     )
     assert rank_loop("while nd.rank < n:\n    x()\n", 2) == (1, "while nd.rank < n")
     assert rank_loop("for i in range(3):\n    x()\n", 2) is None  # not about the rank
+
+
+# ---- every argument compared; helpers named ------------------------------------------------
+
+ROOTED = [
+    ("broadcast", "src", "rank 0 broadcasts from src=0 and rank 1 from src=1"),
+    ("reduce", "dst", "rank 0 reduces to dst=0 and rank 1 to dst=1"),
+    ("scatter", "src", "rank 0 scatters from src=0 and rank 1 from src=1"),
+    ("gather", "dst", "rank 0 gathers to dst=0 and rank 1 to dst=1"),
+]
+
+
+@pytest.mark.parametrize("op, root, said", ROOTED)
+def test_ranks_that_disagree_on_the_root_are_named_with_each_value(op, root, said):
+    ranks = {r: running(rec(1, op, 3, args={root: r, "async_op": False})) for r in (0, 1)}
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "argument" and d.culprits == [0, 1] and d.line == 3
+    assert d.verdict.startswith(f"At {op} #1 (line 3) the ranks pass different {root}: {said}. ")
+    assert f"Every rank must pass the same {root}" in d.verdict
+    assert "matching" not in d.verdict and "network" not in d.verdict
+
+
+def test_the_same_root_on_every_rank_and_only_async_differing_is_matching():
+    ranks = {
+        0: running(rec(1, "broadcast", 3, args={"src": 0, "async_op": True})),
+        1: running(rec(1, "broadcast", 3, args={"src": 0, "async_op": False})),
+    }
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "stalled" and "with matching arguments" in d.verdict
+
+
+def test_three_ranks_two_roots_and_the_reduce_op():
+    ranks = {
+        0: running(rec(1, "broadcast", 3, args={"src": 0})),
+        1: running(rec(1, "broadcast", 3, args={"src": 0})),
+        2: running(rec(1, "broadcast", 3, args={"src": 2})),
+    }
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert "ranks 0, 1 broadcast from src=0 and rank 2 from src=2" in d.verdict
+    ops = {
+        r: running(rec(1, "all_reduce", 4, args={"reduce_op": o}))
+        for r, o in enumerate("SUM MAX".split())
+    }
+    d = diagnose(ops, now=NOW, cell_file=CELL)
+    assert d.verdict.startswith(
+        "At all_reduce #1 (line 4) the ranks pass different op: rank 0 passes op=SUM and rank 1 "
+        "passes op=MAX. Every rank must reduce with the same op."
+    )
+
+
+HELPER_CELL = "%%distributed\nt = torch.ones(2)\nif nd.rank == 0:\n    evaluate(t)\n"
+
+
+def test_a_collective_in_a_helper_from_an_earlier_cell_names_the_helper_and_the_call():
+    helper = dict(rec(1, "all_reduce", 4), where=("Cell In[2]", 4), func="evaluate", site=(CELL, 4))
+    ranks = {0: running(helper), 1: done()}
+    d = diagnose(ranks, now=NOW, cell_file=CELL, source=HELPER_CELL)
+    assert d.kind == "conditional" and d.line == 4 and d.culprits == [0]
+    assert d.verdict.startswith(
+        "Rank 0 called all_reduce #1 at line 4 of evaluate() in Cell In[2], called from line 4 of "
+        "this cell, but rank 1 finished the cell without calling it. The call at line 4 is inside "
+        "`if nd.rank == 0:` (line 3)"
+    )
+    assert (
+        d.rows[0]["where"] == "line 4 of evaluate() in Cell In[2], called from line 4 of this cell"
+    )
+
+
+def test_a_helper_defined_in_the_same_cell_is_named_with_its_call_site():
+    source = "%%distributed\ndef step(t):\n    dist.all_reduce(t)\nt = torch.ones(2)\nif nd.rank == 0:\n    step(t)\n"
+    inner = dict(rec(1, "all_reduce", 3), func="step", site=(CELL, 6))
+    d = diagnose({0: running(inner), 1: done()}, now=NOW, cell_file=CELL, source=source)
+    assert "all_reduce #1 at line 3 in step() (called at line 6)" in d.verdict
+    assert "The call at line 6 is inside `if nd.rank == 0:` (line 5)" in d.verdict

@@ -47,6 +47,38 @@ def line_of(rec_where: Any) -> int | None:
     return rec_where[1] if rec_where else None
 
 
+def call_text(rec: dict, cell_file: str | None) -> str:
+    """Where an op was called, never two places as one bare "line N": 'line 4', 'line 4 in
+    step() (called at line 9)', or for a helper from an earlier cell 'line 4 of evaluate()
+    in Cell In[6], called at line 3'."""
+    where, site, func = rec.get("where"), rec.get("site"), rec.get("func")
+    if not where:
+        return "?"
+    if where[0] == cell_file:
+        text = f"line {where[1]}"
+        if func:
+            text += f" in {func}()"
+            if site:
+                text += f" (called at line {site[1]})"
+        return text
+    inside = f" of {func}() in {where[0]}" if func else f" of {where[0]}"
+    text = f"line {where[1]}{inside}"
+    if site and site[0] == cell_file:
+        text += f", called from line {site[1]} of this cell"
+    return text
+
+
+def cell_line(rec: dict, cell_file: str | None) -> int | None:
+    """The running cell's line of an op: its own line, or the line that called the helper
+    it is in (a helper from an earlier cell has no line in this cell of its own)."""
+    where, site = rec.get("where"), rec.get("site")
+    if where and where[0] == cell_file:
+        return where[1]
+    if site and (cell_file is None or site[0] == cell_file):
+        return site[1]
+    return None if cell_file is not None or not where else where[1]
+
+
 def shape_text(shapes: list) -> str:
     if not shapes:
         return ""
@@ -93,7 +125,9 @@ def stack_line(stack: list[dict] | None, cell_file: str | None) -> tuple[str, in
         text += f" (called at {at(outermost)})"
     if inner is not innermost:
         text += f", now in {inner['func']} ({inner['file'].rsplit('/', 1)[-1]}:{inner['line']})"
-    return text, innermost["line"]
+    # the running cell's line: a helper from an earlier cell has its line in that cell
+    here = [f for f in cell_frames if f["file"] == cell_file] if cell_file else cell_frames
+    return text, (here[-1]["line"] if here else None)
 
 
 def library_call(stack: list[dict] | None) -> dict[str, Any] | None:
@@ -328,7 +362,7 @@ class Facts:
         w = self.waits[r]
         rec = w.record
         if w.kind == "collective":
-            return f"{rec['op']} #{rec['seq']} at {where_text(rec.get('where'), self.cell_file)}"
+            return f"{rec['op']} #{rec['seq']} at {call_text(rec, self.cell_file)}"
         if w.kind == "p2p":
             ops = ", ".join(p2p_text(p) for p in w.p2p[:3])
             return f"{ops} at {self.p2p_where(r)}"
@@ -347,8 +381,8 @@ class Facts:
         w = self.waits[r]
         rec = w.record
         if rec is self.snaps[r].get("collective"):
-            return where_text(rec.get("where"), self.cell_file)
-        posted = where_text(rec.get("where"), self.cell_file)
+            return call_text(rec, self.cell_file)
+        posted = call_text(rec, self.cell_file)
         now, _ = stack_line(self.snaps[r].get("stack"), self.cell_file)
         return f"{now} (posted at {posted})" if now not in ("?", posted) else posted
 
@@ -357,6 +391,20 @@ class Facts:
 
     def condition(self, line: int | None) -> tuple[int, str] | None:
         return rank_condition(self.source, line, self.first_line)
+
+    def guarded(self, rec: dict, find) -> tuple[int | None, tuple[int, str] | None]:
+        """The running cell's line of ``rec`` and the rank-dependent statement around it
+        (``find`` is :meth:`condition` or :meth:`loop`): around the op itself, or, for an op
+        inside a function, around the line that called it."""
+        lines = [cell_line(rec, self.cell_file)]
+        site = rec.get("site")
+        if site and site[0] == self.cell_file and site[1] not in lines:
+            lines.append(site[1])
+        for line in lines:
+            found = find(line)
+            if found:
+                return line, found
+        return lines[0], None
 
     def loop(self, line: int | None) -> tuple[int, str] | None:
         return rank_loop(self.source, line, self.first_line)
@@ -367,7 +415,7 @@ class Facts:
         if w is None:
             return stack_line(self.snaps[r].get("stack"), self.cell_file)[1]
         if w.kind in ("collective", "p2p") and w.record.get("where"):
-            return line_of(w.record["where"])
+            return cell_line(w.record, self.cell_file)
         return stack_line(self.snaps[r].get("stack"), self.cell_file)[1]
 
     def elsewhere(self, r: int) -> str:
@@ -407,7 +455,7 @@ class Facts:
                         "" if rec["group"] == "default" else f" ({rec['group']})"
                     )
                     op, shapes = rec["op"], shape_text(rec["shapes"])
-                    where = where_text(rec.get("where"), self.cell_file)
+                    where = call_text(rec, self.cell_file)
                     waiting = f"{max(0.0, self.now - rec['t0']):.1f} s"
                 elif w.kind == "p2p":
                     state = "in " + p2p_text(rec)

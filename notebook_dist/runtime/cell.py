@@ -109,7 +109,7 @@ def run_cell(
 
         prof = CellProfile(align=profile == "aligned")
     TRACKER.reset_cell(keep_all=prof is not None)
-    STATE.reset_cell(time.time(), token)
+    STATE.reset_cell(time.time(), token, filename)
     STATE.last_error = None  # %dist_debug looks at the last cell only
     STATE.last_exit = None
     if prof is not None:

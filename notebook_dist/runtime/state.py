@@ -24,14 +24,17 @@ class RankState:
     cell_state: str = "idle"
     cell_started: float = 0.0
     cell_token: str = ""
+    #: the running cell's filename ("Cell In[7]"): a helper from an earlier cell is elsewhere
+    cell_file: str = ""
     #: latest values from nd.report(), and a bounded history of each numeric one
     metrics: dict[str, Any] = field(default_factory=dict)
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     reports: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def reset_cell(self, started: float, token: str = "") -> None:
+    def reset_cell(self, started: float, token: str = "", cell_file: str = "") -> None:
         self.cell_token = token
+        self.cell_file = cell_file
         self.cell_state = "running"
         self.cell_started = started
         self.metrics = {}

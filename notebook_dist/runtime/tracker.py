@@ -52,6 +52,18 @@ P2P = (*P2P_BLOCKING, *P2P_POSTING, "batch_isend_irecv")
 #: the direction of each point-to-point op
 SENDS = ("send", "isend", "send_object_list")
 MAX_PENDING = 64
+#: the root every rank must name alike: broadcast from src, reduce to dst, ...
+ROOTS = {
+    "broadcast": "src",
+    "broadcast_object_list": "src",
+    "scatter": "src",
+    "scatter_object_list": "src",
+    "reduce": "dst",
+    "gather": "dst",
+    "gather_object": "dst",
+}
+#: collectives with a reduce op, which every rank must pass alike
+REDUCING = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
 
 
 def is_tool_frame(filename: str) -> bool:
@@ -134,16 +146,59 @@ def _group(group: Any) -> tuple[str, tuple[int, ...] | None]:
     return known
 
 
-def cell_line() -> tuple[str, int] | None:
-    """(filename, line) of the innermost frame in a notebook cell, if any."""
-    f = sys._getframe(2)
-    for _ in range(40):
+def locate(rec: dict[str, Any]) -> dict[str, Any]:
+    """Where in the notebook the op was called: ``where``, the innermost frame in a cell
+    (filename, line); when that frame is a function's, ``func`` (its name) and ``site``,
+    the line of the running cell that called into it (a helper defined in an earlier cell
+    is in that cell's file, so its line alone would name the wrong cell)."""
+    from .state import STATE
+
+    f = sys._getframe(1)  # outward from the caller: our own frames are in no cell
+    inner = site = func = None
+    for _ in range(60):
         if f is None:
-            return None
-        if f.f_code.co_filename.startswith(CELL_PREFIX):
-            return f.f_code.co_filename, f.f_lineno
+            break
+        name = f.f_code.co_filename
+        if name.startswith(CELL_PREFIX):
+            if inner is None:
+                inner = (name, f.f_lineno)
+                if f.f_code.co_name != "<module>":
+                    func = f.f_code.co_name
+            if name == STATE.cell_file:
+                site = (name, f.f_lineno)  # outward: the running cell's outermost frame
         f = f.f_back
-    return None
+    rec["where"] = inner
+    if func is not None:
+        rec["func"] = func
+        if site is not None and site != inner:
+            rec["site"] = site
+    return rec
+
+
+def agreeing_args(op: str, bound: dict[str, Any], group_ranks) -> dict[str, Any]:
+    """The arguments besides tensors that every rank must pass alike: the root (``src`` or
+    ``dst``, as a global rank), the reduce op; and ``async_op``, which need not agree but
+    is said."""
+    out: dict[str, Any] = {}
+    root = ROOTS.get(op)
+    if root is not None:
+        value, in_group = bound.get(root), bound.get(f"group_{root}")
+        if value is None and in_group is not None:
+            value = (
+                group_ranks[in_group] if group_ranks and in_group < len(group_ranks) else in_group
+            )
+        out[root] = None if value is None else int(value)
+    if op in REDUCING:
+        out["reduce_op"] = _reduce_name(bound.get("op"))
+    out["async_op"] = bool(bound.get("async_op", False))
+    return out
+
+
+def _reduce_name(value: Any) -> str:
+    if value is None:
+        return "SUM"
+    name = getattr(value, "name", None)  # ReduceOp.SUM is a RedOpType
+    return str(name) if name else str(value).rsplit(".", 1)[-1]
 
 
 def _bound(fn, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -199,12 +254,14 @@ def _wrap_collective(op: str, fn):
         t = TRACKER
         if t.depth:  # a collective built on another (all_gather_object -> all_gather)
             return fn(*args, **kwargs)
-        group, group_ranks = _group(kwargs.get("group"))
+        bound = _bound(fn, args, kwargs)
+        group, group_ranks = _group(bound.get("group"))
         seq = t.seq.get(group, 0) + 1
         t.seq[group] = seq
-        shapes, dtypes = _describe(args[0]) if args else ([], [])
-        if op in ("all_gather", "all_to_all") and len(args) > 1:
-            s2, d2 = _describe(args[1])
+        values = list(bound.values())
+        shapes, dtypes = _describe(values[0]) if values else ([], [])
+        if op in ("all_gather", "all_to_all") and len(values) > 1:
+            s2, d2 = _describe(values[1])
             shapes, dtypes = shapes + s2, dtypes + d2
         rec = {
             "seq": seq,
@@ -213,9 +270,10 @@ def _wrap_collective(op: str, fn):
             "group_ranks": group_ranks,
             "shapes": shapes,
             "dtypes": dtypes,
-            "where": cell_line(),
+            "args": agreeing_args(op, bound, group_ranks),
             "t0": time.time(),
         }
+        locate(rec)
         return _run(t, rec, fn, args, kwargs, history=True)
 
     tracked._notebook_dist_original = fn
@@ -230,8 +288,7 @@ def _wrap_p2p(op: str, fn):
             return fn(*args, **kwargs)
         if op == "batch_isend_irecv":
             return _batch(t, fn, args, kwargs)
-        rec = _p2p_from_call(op, fn, args, kwargs)
-        rec["where"] = cell_line()
+        rec = locate(_p2p_from_call(op, fn, args, kwargs))
         if op in P2P_POSTING:
             t.depth = 1
             try:
@@ -250,7 +307,7 @@ def _wrap_p2p(op: str, fn):
 
 def _batch(t: Tracker, fn, args: tuple, kwargs: dict):
     ops = args[0] if args else kwargs.get("p2p_op_list", [])
-    where = cell_line()
+    here = locate({})
     recs = []
     for p in ops or []:
         name = getattr(getattr(p, "op", None), "__name__", "")
@@ -262,7 +319,7 @@ def _batch(t: Tracker, fn, args: tuple, kwargs: dict):
             getattr(p, "group", None),
             getattr(p, "tag", 0),
         )
-        rec["where"], rec["batch"] = where, True
+        rec.update(here, batch=True)
         recs.append(rec)
     t.depth = 1
     try:

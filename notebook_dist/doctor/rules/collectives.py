@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 from ..facts import (
-    line_of,
+    call_text,
+    cell_line,
     plural,
     records,
     shape_text,
-    where_text,
 )
 from .base import Diagnosis, Facts, cap, make, registrar
 
@@ -17,7 +17,61 @@ rule = registrar(RULES)
 
 
 def _key(rec: dict, by_line: bool) -> tuple:
-    return (rec["op"], line_of(rec.get("where")) if by_line else None)
+    return (rec["op"], tuple(rec.get("where") or ()) if by_line else None)
+
+
+#: how a verdict says a rank's root: "rank 0 broadcasts from src=0", "ranks 0, 1 broadcast ..."
+ROOT_VERBS = {
+    "broadcast": ("broadcasts", "broadcast", "from"),
+    "broadcast_object_list": ("broadcasts", "broadcast", "from"),
+    "scatter": ("scatters", "scatter", "from"),
+    "scatter_object_list": ("scatters", "scatter", "from"),
+    "reduce": ("reduces", "reduce", "to"),
+    "gather": ("gathers", "gather", "to"),
+    "gather_object": ("gathers", "gather", "to"),
+}
+#: an argument's name as the user wrote it (the tracker's "reduce_op" is torch's ``op=``)
+ARG_NAMES = {"reduce_op": "op"}
+#: what a differing argument means, and the fix
+ARG_FIXES = {
+    "src": "every rank must pass the same src (the rank whose data is sent): a src computed "
+    "from the rank itself, such as src=rank or src=local_rank, makes every rank a source",
+    "dst": "every rank must pass the same dst (the rank that receives the result): a dst "
+    "computed from the rank itself, such as dst=rank, makes every rank a destination",
+    "reduce_op": "every rank must reduce with the same op",
+}
+
+
+def agreeing(rec: dict) -> dict:
+    """The arguments of a record that every rank must pass alike (not async_op)."""
+    return {k: v for k, v in (rec.get("args") or {}).items() if k != "async_op"}
+
+
+def differing_args(present: dict[int, dict]) -> list[str]:
+    """The names of the arguments the ranks pass differently, in the tracker's order."""
+    names: list[str] = []
+    for rec in present.values():
+        names += [k for k in agreeing(rec) if k not in names]
+    return [k for k in names if len({repr(agreeing(rec).get(k)) for rec in present.values()}) > 1]
+
+
+def argument_text(op: str, name: str, present: dict[int, dict]) -> str:
+    """'rank 0 broadcasts from src=0 and rank 1 from src=1'."""
+    by_value: dict[str, list[int]] = {}
+    for r, rec in sorted(present.items()):
+        by_value.setdefault(repr(agreeing(rec).get(name)), []).append(r)
+    verbs = ROOT_VERBS.get(op) if name in ("src", "dst") else None
+    parts = []
+    for i, (value, ranks) in enumerate(by_value.items()):
+        shown = "?" if value == "None" else value.strip("'")
+        if verbs:
+            one, many, prep = verbs
+            lead = f"{one if len(ranks) == 1 else many} " if i == 0 else ""
+            parts.append(f"{plural(ranks)} {lead}{prep} {name}={shown}")
+        else:
+            said = "passes" if len(ranks) == 1 else "pass"
+            parts.append(f"{plural(ranks)} {said} {ARG_NAMES.get(name, name)}={shown}")
+    return " and ".join(parts) if len(parts) == 2 else "; ".join(parts)
 
 
 def first_divergence(f: Facts):
@@ -43,6 +97,7 @@ def first_divergence(f: Facts):
             lines = {_key(rec, True) for rec in present.values()}
             shapes = {repr(rec["shapes"]) for rec in present.values()}
             dtypes = {repr(rec["dtypes"]) for rec in present.values()}
+            argsets = {repr(agreeing(rec)) for rec in present.values()}
             oldest = {r: min(recs) if recs else None for r, recs in by_rank.items()}
             lacking = [
                 r
@@ -54,7 +109,7 @@ def first_divergence(f: Facts):
             if len(keys) == 1 and len(lines) > 1 and completed and not lacking:
                 shifted = shifted or (seq, present)
                 continue
-            if len(keys) > 1 or len(shapes) > 1 or len(dtypes) > 1 or lacking:
+            if len(keys) > 1 or len(shapes) > 1 or len(dtypes) > 1 or len(argsets) > 1 or lacking:
                 kind = (
                     "mismatch"
                     if len(keys) > 1
@@ -62,6 +117,8 @@ def first_divergence(f: Facts):
                     if len(shapes) > 1
                     else "dtypes"
                     if len(dtypes) > 1
+                    else "argument"
+                    if len(argsets) > 1
                     else "missing"
                 )
                 if kind == "missing" and shifted is not None:
@@ -89,14 +146,30 @@ def divergence(f: Facts) -> Diagnosis | None:
         return make(
             f,
             kind,
-            f"Collective #{seq}{gname} at {where_text(rec0.get('where'), f.cell_file)} gets different "
+            f"Collective #{seq}{gname} at {call_text(rec0, f.cell_file)} gets different "
             f"{kind} on different ranks ({parts}). Every rank must pass tensors of the same {noun}.",
             present,
-            line_of(rec0.get("where")),
+            cell_line(rec0, f.cell_file),
+        )
+    if kind == "argument":
+        rec0 = next(iter(present.values()))
+        names = differing_args(present)
+        said = "; ".join(argument_text(rec0["op"], n, present) for n in names)
+        shown = [ARG_NAMES.get(n, n) for n in names]
+        fixes = " ".join(
+            cap(ARG_FIXES.get(n, f"every rank must pass the same {n}")) + "." for n in names
+        )
+        return make(
+            f,
+            "argument",
+            f"At {rec0['op']} #{seq}{gname} ({call_text(rec0, f.cell_file)}) the ranks pass different "
+            f"{'arguments' if len(names) > 1 else shown[0]}: {said}. {fixes}",
+            present,
+            cell_line(rec0, f.cell_file),
         )
     if kind == "mismatch":
         calls = "; ".join(
-            f"rank {r} called {rec['op']} at {where_text(rec.get('where'), f.cell_file)}"
+            f"rank {r} called {rec['op']} at {call_text(rec, f.cell_file)}"
             for r, rec in sorted(present.items())
         )
         base = f"The ranks disagree at collective #{seq}{gname}: {calls}."
@@ -111,16 +184,17 @@ def divergence(f: Facts) -> Diagnosis | None:
         )
         base = (
             f"{cap(plural(list(present)))} called {rec['op']} #{seq}{gname} at "
-            f"{where_text(rec.get('where'), f.cell_file)}, but {plural(missing)} {never} without calling it."
+            f"{call_text(rec, f.cell_file)}, but {plural(missing)} {never} without calling it."
         )
     for r, rec in sorted(present.items()):
-        cond = f.condition(line_of(rec.get("where")))
+        line, cond = f.guarded(rec, f.condition)
         if cond:
-            line = line_of(rec.get("where"))
+            own = tuple(rec.get("where") or ()) == (f.cell_file, line)  # not a call into a helper
+            what = f"Line {line}" if own else f"The call at line {line}"
             return make(
                 f,
                 "conditional",
-                f"{base} Line {line} is inside `if {cond[1]}:` (line {cond[0]}), so only some ranks "
+                f"{base} {what} is inside `if {cond[1]}:` (line {cond[0]}), so only some ranks "
                 "reach it: every rank must call the same collectives in the same order. Move the "
                 "collective out of the branch, or make every rank call it.",
                 list(present) if kind == "missing" else [r],
@@ -136,10 +210,9 @@ def divergence(f: Facts) -> Diagnosis | None:
             "mismatch",
             base + " Every rank must issue the same collectives in the same order.",
             present,
-            line_of(next(iter(present.values())).get("where")),
+            cell_line(next(iter(present.values())), f.cell_file),
         )
-    line = line_of(next(iter(present.values())).get("where"))
-    loop = f.loop(line)
+    line, loop = f.guarded(next(iter(present.values())), f.loop)
     if loop:
         said = (
             f" Line {line} is inside `{loop[1]}:` (line {loop[0]}), which runs a different number "

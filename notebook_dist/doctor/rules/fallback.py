@@ -4,8 +4,8 @@ pattern no rule knows (said plainly rather than guessed)."""
 from __future__ import annotations
 
 from ..facts import (
+    call_text,
     plural,
-    where_text,
 )
 from .base import Diagnosis, Facts, make, registrar
 
@@ -23,7 +23,7 @@ def stalled(f: Facts) -> Diagnosis | None:
         if len({(rec["group"], rec["seq"], rec["op"]) for rec in recs}) != 1:
             return None
         rec = recs[0]
-        where = where_text(rec.get("where"), f.cell_file)
+        where = call_text(rec, f.cell_file)
         return make(
             f,
             "stalled",

@@ -4,7 +4,7 @@ pair (peer, tag), and a peer that is elsewhere."""
 from __future__ import annotations
 
 from ..facts import (
-    line_of,
+    cell_line,
     p2p_text,
     plural,
 )
@@ -93,7 +93,7 @@ def p2p_deadlock(f: Facts) -> Diagnosis | None:
             "p2p-deadlock",
             f"{cap(plural(cycle))} are in a point-to-point deadlock: {calls}. {why}. {P2P_FIX}",
             cycle,
-            line_of(first.get("where")),
+            cell_line(first, f.cell_file),
         )
     return None
 
@@ -117,7 +117,7 @@ def p2p_mismatch(f: Facts) -> Diagnosis | None:
                     f"tags differ ({p.get('tag', 0)} and {q.get('tag', 0)}), so the two never pair. "
                     "Use the same tag on both sides.",
                     [r, peer],
-                    line_of(p.get("where")),
+                    cell_line(p, f.cell_file),
                 )
             q = theirs[0]
             talks_to = "any rank" if q.get("peer") is None else f"rank {q['peer']}"
@@ -129,7 +129,7 @@ def p2p_mismatch(f: Facts) -> Diagnosis | None:
                 f"not to rank {r}, so rank {r}'s {p['op']} never pairs. Check the src/dst each "
                 "rank computes.",
                 [r, peer],
-                line_of(p.get("where")),
+                cell_line(p, f.cell_file),
             )
     return None
 
@@ -149,8 +149,7 @@ def p2p_peer_elsewhere(f: Facts) -> Diagnosis | None:
                 said = f"rank {peer} finished the cell without {counterpart}"
             else:
                 said = f"rank {peer} went on without {counterpart}: it {where_peer}"
-            line = line_of(p.get("where"))
-            cond = f.condition(line)
+            line, cond = f.guarded(p, f.condition)
             guard = (
                 f" Line {line} is inside `if {cond[1]}:` (line {cond[0]}), so only some ranks "
                 "reach it."

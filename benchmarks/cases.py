@@ -305,6 +305,42 @@ def tracking_overhead(cluster, rounds: int = 7) -> dict:
     }
 
 
+CHECKED_LOOP = """
+import time
+t = torch.zeros(NUMEL)
+dist.barrier()
+_t0 = time.perf_counter()
+for _ in range(CALLS):
+    dist.all_reduce(t)
+(time.perf_counter() - _t0) / CALLS
+"""
+
+
+def check_collectives(cluster, reps: int, calls: int = 200) -> dict:
+    """The price of ``--check-collectives``: one all_reduce per call with the arguments
+    compared first (one all_gather of 512 bytes) / without, alternated, for a small
+    tensor (where the check costs most) and a 4 MB one."""
+    out = {}
+    for name, numel in (("small_8_floats", 8), ("large_4MB", 1 << 20)):
+        cell = CHECKED_LOOP.replace("NUMEL", str(numel)).replace("CALLS", str(calls))
+        plain, checked = [], []
+        for i in range(reps):
+            for flag, into in ((False, plain), (True, checked)) if i % 2 == 0 else (
+                (True, checked),
+                (False, plain),
+            ):
+                r = cluster.run(cell, check_collectives=flag)
+                r.raise_for_errors()
+                into.append(r.values[0])
+        out[name] = {
+            "plain_s": summarize(plain),
+            "checked_s": summarize(checked),
+            "checked_vs_plain": ratio(checked, plain),
+            "added_us": (statistics.median(checked) - statistics.median(plain)) * 1e6,
+        }
+    return out
+
+
 class _Sink:
     def update(self, st):
         pass

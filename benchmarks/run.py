@@ -111,6 +111,7 @@ CASE_NAMES = (
     "bench",
     "profile",
     "doctor",
+    "checks",
 )
 
 
@@ -167,6 +168,7 @@ def main(argv=None) -> int:
         "bench": lambda c: cases.bench_vs_torchrun(c, 2 if quick else 6),
         "profile": lambda c: cases.profile_accuracy_and_cost(c, 3 if quick else 10),
         "doctor": lambda c: cases.doctor_latency(c, 3 if quick else 8),
+        "checks": lambda c: cases.check_collectives(c, 4 if quick else 12),
     }
     if only & set(on_cluster):
         shell = TerminalInteractiveShell.instance()
@@ -220,6 +222,11 @@ def main(argv=None) -> int:
         print(
             f"transfer {key:14s} value {t['value_vs_copy']:.2f}x copy, gather {t['gather_vs_copy']:.2f}x, "
             f"push {t['push_vs_copy']:.2f}x (target >= 0.5x){extra}"
+        )
+    for key, t in results.get("checks", {}).items():
+        print(
+            f"--check-collectives, all_reduce of {key}: {t['checked_vs_plain']['pair_median']:.2f}x "
+            f"without it, +{t['added_us']:.0f} us a call"
         )
     for n, g in results.get("growth", {}).items():
         print(

@@ -333,6 +333,14 @@ class DistMagics(Magics):
         "compute, collectives, waiting for peers, a straggler verdict, a timeline and a merged trace",
     )
     @argument(
+        "--check-collectives",
+        action="store_true",
+        default=None,
+        help="compare every collective's arguments across the ranks before it runs (op, dtype, "
+        "shape, root, reduce op): a mismatch is an error on every rank instead of a hang, "
+        "a Gloo abort or wrong numbers (one small all_gather per collective)",
+    )
+    @argument(
         "--autodist",
         action="store_true",
         help="set by %%autodist: the cell has no magic line of its own",
@@ -366,6 +374,7 @@ class DistMagics(Magics):
             dashboard=not args.no_dashboard,
             on_hang=args.on_hang,
             profile=args.profile,
+            check_collectives=args.check_collectives,
         )
 
     @cell_magic
@@ -390,6 +399,7 @@ class DistMagics(Magics):
         dashboard: bool = True,
         on_hang: str = "show",
         profile: bool = False,
+        check_collectives: bool | None = None,
     ):
         for name in gather:
             if not name.isidentifier() or keyword.iskeyword(name):
@@ -423,6 +433,7 @@ class DistMagics(Magics):
                 on_update=feed,
                 on_hang=on_hang,
                 profile=profile,
+                check_collectives=check_collectives,
             )
         finally:
             # only this cell's watch: a cell refused before it ran (a syntax error, a dead

@@ -43,6 +43,14 @@ class DistConfig:
     opens a widget: a tutorial must not become a wall of tables. 0 keeps the full record
     under every cell."""
 
+    check_collectives: bool = False
+    """Compare every collective's arguments across the ranks before it runs (op, dtypes,
+    shapes where they must agree, root, reduce op), as ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+    does: a mismatch then raises on every rank, all alive with their variables, instead of
+    Gloo aborting a rank, a hang or silently wrong numbers. Costs one small all_gather per
+    collective (the guide gives the figure); ``%%distributed --check-collectives`` turns it
+    on for one cell."""
+
     heartbeat_ms: int = 300
     """ipyparallel's controller heartbeat period. Its default (3 s) makes each engine wait
     up to one period to finish registering, most of the cluster's start-up time here;

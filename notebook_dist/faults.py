@@ -40,6 +40,24 @@ def mismatched_ops() -> None:
         dist.all_gather([torch.empty(4) for _ in range(dist.get_world_size())], t)
 
 
+def root_mismatch(op: str = "broadcast") -> None:
+    """Every rank passes itself as the root (``src=rank``, ``dst=rank``), as code written for
+    one process does: ``op`` is broadcast, reduce, scatter or gather."""
+    torch, dist = _dist()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(4)
+    if op == "broadcast":
+        dist.broadcast(t, src=rank)
+    elif op == "reduce":
+        dist.reduce(t, dst=rank)
+    elif op == "scatter":
+        dist.scatter(t, [torch.ones(4) for _ in range(n)], src=rank)
+    elif op == "gather":
+        dist.gather(t, [torch.empty(4) for _ in range(n)], dst=rank)
+    else:
+        raise ValueError(f"op {op!r}: use broadcast, reduce, scatter or gather")
+
+
 def mismatched_dtypes() -> None:
     """Rank 0 passes float32, the others float64 (Gloo aborts the receiving rank)."""
     torch, dist = _dist()

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from .doctor import Diagnosis, diagnose
 from .doctor.facts import TRANSPORT_ERROR
+from .doctor.facts import call_text as _call_text
 from .execute import OutputStreamer, PreparedCell
 from .phrases import rank_list
 from .values import unpack
@@ -150,11 +151,23 @@ class CellWatch:
         """What the doctor reads; ``before_release``: a released rank as it was when it was
         released (waiting), not as its released collective ended."""
         out = {}
+        timed = self.timed_out() if before_release else {}
         for r, v in self.views.items():
             info: dict[str, Any] = {"status": v.status, "snap": v.snap}
             if before_release and v.released:
                 info = {"status": "running", "snap": v.before_release or v.snap}
                 out[r] = info
+                continue
+            if r in timed:  # as it was while it waited, before torch's timeout ended the wait
+                rec = {k: x for k, x in timed[r].items() if k not in ("t1", "failed")}
+                same = (rec.get("group"), rec.get("seq"))
+                history = [
+                    h for h in v.snap.get("history") or [] if (h.get("group"), h.get("seq")) != same
+                ]
+                out[r] = {
+                    "status": "running",
+                    "snap": dict(v.snap, collective=rec, history=history),
+                }
                 continue
             if v.status == "dead":
                 info["exit"] = v.exit
@@ -288,8 +301,11 @@ class CellWatch:
                     dead = any(v.status == "dead" for v in self.views.values())
                     self.ar.wait_for_output(1 if dead else 15)
                 self.finish()
-            if self.released and not any(v.status == "dead" for v in self.views.values()):
-                self.rebuild_after_release()
+            if not any(v.status == "dead" for v in self.views.values()):
+                if self.released:
+                    self.rebuild_after_release()
+                else:
+                    self.rebuild_broken_group()
         finally:
             self.final = self.final_diagnosis()
 
@@ -301,8 +317,9 @@ class CellWatch:
 
     def final_diagnosis(self) -> Diagnosis | None:
         """What the record under a stopped cell keeps: the verdict on the ranks as they were
-        when the hang showed or the ranks were released or interrupted, and how it ended."""
-        if not (self.shown_verdict or self.released or self.interrupted):
+        when the hang showed, the ranks were released or interrupted, or torch's timeout
+        ended a collective, and how it ended."""
+        if not (self.shown_verdict or self.released or self.interrupted or self.timed_out()):
             return None
         diag = self.diagnose(before_release=True)
         if self.outcome:
@@ -369,6 +386,68 @@ class CellWatch:
             f"collectives that could not complete; every rank kept its variables and the process group "
             f"was rebuilt ({took:.2f} s). Process groups you made with new_group() must be made again.\n"
         )
+        stream.flush()
+
+    # ---- a group that broke under the cell ------------------------------------------
+
+    def broken(self) -> dict[int, dict]:
+        """Ranks whose default group broke in this cell: rank -> {"kind", "why"}."""
+        return {
+            r: v.result["group_broken"]
+            for r, v in self.views.items()
+            if v.result and v.result.get("group_broken")
+        }
+
+    def timed_out(self) -> dict[int, dict]:
+        """Ranks whose collective torch's own timeout ended: rank -> that collective's record."""
+        out = {}
+        for r, why in self.broken().items():
+            rec = (self.views[r].result.get("error") or {}).get("record")
+            if why.get("kind") == "timeout" and rec:
+                out[r] = rec
+        return out
+
+    def rebuild_broken_group(self) -> None:
+        """The group broke under the cell (torch's timeout ended a collective, or a peer's
+        connections closed): say why in plain words, rebuild it with every rank's variables
+        kept, so the next cell works (a rebuild that fails is tried before the next cell)."""
+        broken = self.broken()
+        if not broken:
+            return
+        from .errors import ClusterError
+
+        stream = self.streamer._stream("stdout")
+        timed = self.timed_out()
+        if timed:
+            ended = " and ".join(
+                f"{rec['op']} #{rec.get('seq', '?')} at {_call_text(rec, self.prepared.filename)} "
+                f"on rank {r}, after {max(0.0, rec.get('t1', 0) - rec.get('t0', 0)):.1f} s"
+                for r, rec in sorted(timed.items())
+            )
+            why = self.diagnose(before_release=True).verdict
+            said = (
+                f"torch's collective timeout ({self.cluster.config.timeout_s:g} s, %dist_init "
+                f"--timeout) ended {ended} of waiting. Why it waited: {why}"
+            )
+        else:
+            said = (
+                "the process group broke in this cell ("
+                + "; ".join(f"rank {r}: {b['why']}" for r, b in sorted(broken.items()))
+                + ")."
+            )
+        try:
+            took = self.cluster.rebuild_process_group()
+        except ClusterError as exc:
+            self.outcome = (
+                f"{said} Rebuilding the process group failed ({exc}); the next cell tries again "
+                "(%dist_restart starts fresh ranks)."
+            )
+        else:
+            self.outcome = (
+                f"{said} The process group could not be used any more; it was rebuilt "
+                f"({took:.2f} s) and every rank kept its variables."
+            )
+        stream.write(f"notebook_dist: {self.outcome}\n")
         stream.flush()
 
 

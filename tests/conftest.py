@@ -313,3 +313,18 @@ def bystanders(tmp_path):
 
 
 ALL_RANKS_EXIT = "%%distributed\nimport os\nos._exit(1)"
+
+
+@contextlib.contextmanager
+def cpu_burners(count: int = 2):
+    """``count`` processes that each keep a CPU busy (``while True: pass``), beside what the
+    block runs: a user's machine is busy, and a verdict must hold there too. Ended by pid."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

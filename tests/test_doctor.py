@@ -142,6 +142,7 @@ def test_rank_finished_the_cell_while_others_wait(cluster):
         ("p2p_deadlock()", "p2p-deadlock", [0, 1]),
         ("orphan_recv()", "p2p-missing", [0]),
         ("library_collective()", "library", [1]),  # no rank condition in the cell: the absent rank
+        ("root_mismatch()", "argument", [0, 1]),
     ],
 )
 def test_each_teaching_fault_gets_its_verdict(cluster, fault, kind, culprits):
@@ -421,7 +422,43 @@ def test_mismatched_dtypes_name_the_op_and_line(cluster):
         )
     msg = str(info.value)
     assert "was killed by SIGABRT in all_reduce at line 3." in msg
-    assert "differ in shape or dtype across ranks" in msg
+    # what each rank passed: the aborted rank's record outlives it (tracker.persist)
+    assert re.search(
+        r"Gloo aborted rank (\d) in all_reduce #1 at line 3, where the ranks passed: rank 0 "
+        r"\(4,\) float32; rank 1 \(4,\) float64\. Every rank must pass tensors of the same "
+        r"shape and dtype to one collective \(%%distributed --check-collectives",
+        msg,
+    ), msg
+
+
+@pytest.mark.parametrize(
+    "cell, said",
+    [
+        (
+            "t = torch.ones(4, dtype=torch.float32 if nd.rank == 0 else torch.float64)\n"
+            "dist.all_reduce(t)\n",
+            "the ranks pass different dtypes (rank 0: float32; rank 1: float64)",
+        ),
+        (
+            "t = torch.ones(4 + nd.rank)\ndist.all_reduce(t)\n",
+            "the ranks pass different shapes (rank 0: (4,); rank 1: (5,))",
+        ),
+        (
+            "t = torch.ones(4)\ndist.broadcast(t, src=nd.rank)\n",
+            "the ranks pass different src (rank 0: src=0; rank 1: src=1)",
+        ),
+    ],
+)
+def test_check_collectives_turns_a_mismatch_into_an_error_on_every_rank(cluster, cell, said):
+    cluster.run("kept = nd.rank + 20").raise_for_errors()
+    r = cluster.run(cell, filename="Cell In[9]", header="%%distributed", check_collectives=True)
+    assert sorted(r.errors) == [0, 1] and cluster.dead_ranks() == {}
+    for e in r.errors.values():
+        assert e.ename == "CollectiveMismatch"
+        assert " #1 at line 3 was not issued: " + said in e.evalue, e.evalue
+        assert "every rank kept its variables" in e.evalue
+    assert_recovered(cluster)
+    assert dict(cluster.run("kept").values) == {0: 20, 1: 21}
 
 
 def test_restart_with_replay_rebuilds_state(cluster, doc_cluster):
@@ -579,3 +616,53 @@ def test_a_collective_inside_a_helper_from_an_earlier_cell_names_the_helper(clus
     )
     assert "Cell In[3], line 4, in evaluate" in out  # the stack names the helper's cell too
     assert_recovered(cluster)
+
+
+def test_torchs_own_timeout_is_said_in_plain_words_and_the_group_is_rebuilt():
+    """A hung cell nobody interrupts: torch's collective timeout fires (here after 4 s),
+    which breaks a Gloo group for good; the notebook says which rank waited where, for how
+    long and why, rebuilds the group, and the next cell works with every variable kept."""
+    with DistCluster(n=2, timeout=4) as c:
+        c.run("kept = nd.rank + 10").raise_for_errors()
+        out = io.StringIO()
+        r = c.run(
+            "t = torch.ones(2)\nif nd.rank == 0:\n    dist.all_reduce(t)\n",
+            filename="Cell In[5]",
+            header="%%distributed",
+            out=out,
+            hang_after=60,  # no live verdict first: the note alone says it
+        )
+        said = out.getvalue()
+        assert list(r.errors) == [0] and "Timed out waiting 4000ms" in r.errors[0].evalue
+        note = re.search(r"notebook_dist: torch's collective timeout.*", said).group(0)
+        assert re.fullmatch(
+            r"notebook_dist: torch's collective timeout \(4 s, %dist_init --timeout\) ended "
+            r"all_reduce #1 at line 4 on rank 0, after [\d.]+ s of waiting\. Why it waited: "
+            r"Rank 0 called all_reduce #1 at line 4, but rank 1 finished the cell without calling "
+            r"it\. Line 4 is inside `if nd\.rank == 0:` \(line 3\), .* The process group could "
+            r"not be used any more; it was rebuilt \([\d.]+ s\) and every rank kept its variables\.",
+            note,
+        ), note
+        assert c.last_watch.final is not None and c.last_watch.final.kind == "conditional"
+        r = c.run("t = torch.ones(1)\ndist.all_reduce(t)\n(float(t), kept)")
+        assert r.errors == {} and dict(r.values) == {0: (2.0, 10), 1: (2.0, 11)}
+
+
+def test_a_group_whose_connections_closed_is_rebuilt(cluster):
+    """A group broken another way (a peer's pair connections closed under it): the cell
+    says so, the group is rebuilt, and the next cell works."""
+    cluster.run("kept = nd.rank").raise_for_errors()
+    out = io.StringIO()
+    r = cluster.run(
+        "from notebook_dist.runtime import recover\nimport os, socket\n"
+        "if nd.rank == 1:\n"
+        "    for fd in recover.gloo_socket_fds():\n"
+        "        socket.socket(fileno=os.dup(fd)).shutdown(socket.SHUT_RDWR)\n"
+        "dist.all_reduce(torch.ones(1))\n",
+        out=out,
+    )
+    assert r.errors, "the collective should have failed"
+    assert "notebook_dist: the process group broke in this cell (rank " in out.getvalue()
+    assert "it was rebuilt" in out.getvalue() and "every rank kept its variables" in out.getvalue()
+    r = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\n(float(t), kept)")
+    assert r.errors == {} and dict(r.values) == {0: (2.0, 0), 1: (2.0, 1)}

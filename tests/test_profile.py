@@ -374,3 +374,38 @@ def test_a_straggler_is_not_called_balanced_when_the_flight_recorder_is_off():
         r.raise_for_errors()
         assert r.profile.unrecorded == [0, 1], r.profile.text()
         assert r.profile.verdict is None and "No verdict" in r.profile.text()
+
+
+BALANCED_DDP = """
+import time
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+net = DDP(torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]))
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(nd.rank)
+for step in range(20):
+    if nd.rank == SLOW:
+        time.sleep(0.03)
+    opt.zero_grad()
+    net(torch.randn(64, 256, generator=g)).pow(2).mean().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.slow
+def test_on_a_busy_machine_no_balanced_rank_is_blamed_and_a_slow_one_still_is(live):
+    """Two processes keep both CPUs busy beside the ranks (a student's laptop, CI's 2 cores):
+    in every try a balanced DDP loop gets no verdict on its code (the machine may be named,
+    or no rank), and a rank that sleeps 30 ms a step is named."""
+    from conftest import cpu_burners
+
+    live.run(BALANCED_DDP.replace("SLOW", "None").replace("range(20)", "range(2)"))
+    with cpu_burners(2):
+        for _ in range(3):
+            even = live.run(BALANCED_DDP.replace("SLOW", "None"), profile=True)
+            even.raise_for_errors()
+            assert even.profile.verdict is None, even.profile.verdict
+            assert even.profile.finding().startswith(("No rank holds", "No rank's code holds"))
+            slow = live.run(BALANCED_DDP.replace("SLOW", "1"), profile=True)
+            slow.raise_for_errors()
+            assert slow.profile.verdict.startswith("rank 1 arrived last at"), slow.profile.finding()

@@ -242,6 +242,7 @@ class DistCluster:
         on_update=None,
         on_hang: str = "show",
         profile: bool = False,
+        check_collectives: bool | None = None,
     ) -> CellResult:
         """Run a cell on the selected ranks at once, streaming their output live.
 
@@ -251,6 +252,9 @@ class DistCluster:
         rank that raises or dies while others wait in a collective gets them released.
         ``profile``: run it under torch.profiler on every rank; ``result.profile`` is then
         a :class:`notebook_dist.profile.Profile` (where the time went, across ranks).
+        ``check_collectives`` (default ``DistConfig.check_collectives``): compare every
+        collective's arguments across ranks before it runs, so a mismatch is an error on
+        every rank instead of a hang, an abort or wrong numbers.
         """
         return cells.run(
             self,
@@ -265,6 +269,7 @@ class DistCluster:
             on_update=on_update,
             on_hang=on_hang,
             profile=profile,
+            check_collectives=check_collectives,
         )
 
     def apply(

@@ -35,6 +35,7 @@ def run(
     on_update=None,
     on_hang: str = "show",
     profile: bool = False,
+    check_collectives: bool | None = None,
 ) -> CellResult:
     """:meth:`DistCluster.run`."""
     cluster.require_running()
@@ -47,10 +48,10 @@ def run(
     if cluster.group_lost:
         regain_group(cluster, out)
     offsets: dict[int, int] = {}
-    request: tuple = ()
+    how_profiled = None
     if profile:
         aligned = len(selected) == cluster.world_size  # the ranks start at one barrier
-        request = ("aligned" if aligned else "alone",)
+        how_profiled = "aligned" if aligned else "alone"
         if not aligned:  # no barrier puts their machines on one clock: the kernel estimates
             offsets = clock_offsets(cluster, selected)
     t0 = time.perf_counter()
@@ -66,7 +67,8 @@ def run(
             prepared.want_value,
             token,
             cluster.shm_dir,
-            *request,
+            how_profiled,
+            cluster.config.check_collectives if check_collectives is None else check_collectives,
         ),
     )
     watch = cluster.last_watch = CellWatch(

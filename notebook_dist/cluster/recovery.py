@@ -5,6 +5,7 @@ nothing else helps, fresh engines with the cells replayed."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
@@ -117,29 +118,39 @@ def regain_group(cluster, out: TextIO | None = None) -> None:
 
 def fault_report(cluster, rank: int) -> dict[str, Any]:
     """Where a rank that died of a fatal signal was: its cell line and collective, if known
-    (Python's faulthandler wrote every thread's stack to its fault file)."""
-    from ..runtime.tracker import COLLECTIVES
+    (Python's faulthandler wrote every thread's stack to its fault file), and the record
+    of the collective it was in (``record``: what it passed; the tracker keeps it in a
+    file mapped into memory, which outlives the rank)."""
+    from ..runtime.tracker import COLLECTIVES, read_blackbox
 
     processes = cluster.processes
-    path = processes.control_file(rank, "fault")
-    try:
-        text = engines.read_on_host(processes.host_launcher(rank), path)  # on the rank's host
-    except Exception:
-        return {}
-    section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
+    host = processes.host_launcher(rank)
     out: dict[str, Any] = {}
+    with contextlib.suppress(Exception):
+        path = processes.control_file(rank, "record")
+        rec = read_blackbox(engines.read_on_host(host, path))
+        if rec is not None:
+            out["record"] = rec
+    try:
+        text = engines.read_on_host(host, processes.control_file(rank, "fault"))  # on its host
+    except Exception:
+        return out
+    section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
+    found = False  # the end of the first thread with a cell line or a collective in it
     for line in section.splitlines():
         line = line.strip()
         if not line.startswith('File "'):
-            if out and not line:
+            if found and not line:
                 break
             continue
         filename, _, rest = line[6:].partition('", line ')
         num, _, func = rest.partition(" in ")
         if "op" not in out and func in COLLECTIVES:
             out["op"] = func
+            found = True
         if filename.startswith("Cell In[") and "line" not in out:
             out["file"], out["line"] = filename, int(num)
+            found = True
     return out
 
 

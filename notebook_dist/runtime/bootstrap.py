@@ -79,12 +79,16 @@ def bootstrap(
     STATE.world_size = world_size
     STATE.local_rank = int(env["LOCAL_RANK"])
     STATE.device = device
+    tracker.TRACKER.device = device
     STATE.backend = backend
     STATE.timeout_s = timeout_s
     STATE.bootstrapped = True
     _start_agent(control_file, publish_interval)
     if control_file:
         _enable_fault_report(control_file.replace("release-rank-", "fault-rank-"))
+        from .tracker import TRACKER, open_blackbox
+
+        TRACKER.blackbox = open_blackbox(control_file.replace("release-rank-", "record-rank-"))
 
     ns = user_namespace()
     ns.setdefault("torch", torch)

@@ -89,12 +89,15 @@ def run_cell(
     token: str = "",
     shm_dir: str | None = None,
     profile: str | None = None,
+    check_collectives: bool = False,
 ) -> list:
     """Execute ``code`` in the rank's namespace; return ``pack(result)``.
 
     ``source`` is the cell as the notebook shows it (for tracebacks) and ``first_line``
     the notebook line number of ``code``'s first line. ``profile`` (``"aligned"`` when
     every rank runs the cell, ``"alone"`` otherwise) runs it under torch.profiler.
+    ``check_collectives`` compares each collective's arguments across ranks first
+    (``notebook_dist.runtime.argcheck``).
     """
     import time
 
@@ -109,6 +112,7 @@ def run_cell(
 
         prof = CellProfile(align=profile == "aligned")
     TRACKER.reset_cell(keep_all=prof is not None)
+    TRACKER.check = check_collectives
     STATE.reset_cell(time.time(), token, filename)
     STATE.last_error = None  # %dist_debug looks at the last cell only
     STATE.last_exit = None
@@ -133,9 +137,14 @@ def run_cell(
         result["status"] = "error"
         result["error"] = _error(exc, filename)
         failed = TRACKER.last
-        if failed is not None and failed.get("failed"):
+        in_collective = failed is not None and bool(failed.get("failed"))
+        if in_collective:
             seq = f" #{failed['seq']}" if "seq" in failed else ""
             result["error"]["collective"] = f"{failed['op']}{seq}"
+            result["error"]["record"] = dict(failed)
+        from .group import note_failure
+
+        note_failure(exc, in_collective)
         result.pop("value", None)
         result["has_value"] = False
     finally:
@@ -146,6 +155,7 @@ def run_cell(
             _drain_fd(stream)
             stream.flush()
     result["collectives"] = TRACKER.count
+    result["group_broken"] = STATE.group_broken
     if prof is not None:
         result["profile"] = prof.collect(list(TRACKER.history))
     result["wait_s"] = TRACKER.wait_s

@@ -10,8 +10,10 @@ the next cell needs the group. The cluster's own code calls torch's originals.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -165,3 +167,40 @@ def init_default_group(
     (_originals.get("init") or dist.init_process_group)(**kwargs)
     if rendezvous_timeout_s:
         store.set_timeout(timedelta(seconds=timeout_s))
+
+
+#: torch's own collective timeout, as Gloo and NCCL word it
+TIMEOUT = re.compile(
+    r"Timed out waiting (\d+)ms|Watchdog caught collective operation timeout|"
+    r"operation timed out|timed out after",
+    re.IGNORECASE,
+)
+#: a communicator that can no longer be used: its connections were closed or aborted
+CLOSED = re.compile(
+    r"Application timeout caused pair closure|Connection closed by peer|"
+    r"Connection reset by peer|Broken pipe|communicator was aborted|NCCL communicator .*abort",
+    re.IGNORECASE,
+)
+
+
+def note_failure(exc: BaseException, in_collective: bool) -> dict | None:
+    """After a cell raised: whether the default group broke, and why. A group whose
+    collective timed out, or whose connections were closed or aborted, fails every later
+    collective at once until it is made again. Only an error from torch.distributed counts
+    (``in_collective``: the tracker saw the collective fail; else a frame of
+    torch.distributed or DDP in the traceback), never a user's own socket error."""
+    text = str(exc)
+    timeout, closed = TIMEOUT.search(text), CLOSED.search(text)
+    if not (timeout or closed):
+        return None
+    if not in_collective:
+        frames = traceback.extract_tb(exc.__traceback__)
+        if not any(
+            "/torch/distributed/" in f.filename or "/torch/nn/parallel/" in f.filename
+            for f in frames
+        ):
+            return None
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # Gloo's "[.../pair.cc:553] "
+    STATE.group_broken = {"kind": "timeout" if timeout else "closed", "why": first[:200]}
+    return STATE.group_broken

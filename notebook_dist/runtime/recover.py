@@ -242,4 +242,5 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
     except BaseException as exc:  # a Ctrl-C that was pending before the block, too
         said = str(exc).strip().splitlines()
         return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}
+    STATE.group_broken = None
     return {"rank": STATE.rank, "reinit_s": time.perf_counter() - t0}

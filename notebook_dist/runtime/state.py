@@ -18,6 +18,9 @@ class RankState:
     bootstrapped: bool = False
     #: the last exception a cell raised on this rank: (exc, traceback), for post-mortems
     last_error: tuple[BaseException, Any] | None = None
+    #: why the default group cannot be used any more ({"kind": "timeout"|"closed", "why"}),
+    #: until it is made again (notebook_dist.runtime.group.note_failure)
+    group_broken: dict | None = None
     #: how the last cell ended itself (exit(), sys.exit()): notebook_dist.runtime.exits.report
     last_exit: dict | None = None
     #: "idle", "running", "done" or "error": what the current/last cell is doing here

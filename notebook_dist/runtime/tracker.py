@@ -19,6 +19,8 @@ import time
 from collections import deque
 from typing import Any
 
+from .state import STATE as _STATE
+
 CELL_PREFIX = "Cell In["
 #: frames from this folder are the tool's own: hidden from what the user sees
 RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -87,6 +89,12 @@ class Tracker:
         self.wait_s = 0.0  # time spent inside collectives since the cell started
         self.count = 0
         self.p2p_count = 0
+        #: compare every collective's arguments across ranks first (runtime.argcheck)
+        self.check = False
+        self.device = "cpu"
+        #: the current collective, written where the notebook can read it after the rank
+        #: dies (a Gloo abort leaves no snapshot of what the rank passed): see persist()
+        self.blackbox = None
 
     def reset_cell(self, keep_all: bool = False) -> None:
         """``keep_all``: the cell's every collective stays in ``history`` (a profiled cell
@@ -151,21 +159,23 @@ def locate(rec: dict[str, Any]) -> dict[str, Any]:
     (filename, line); when that frame is a function's, ``func`` (its name) and ``site``,
     the line of the running cell that called into it (a helper defined in an earlier cell
     is in that cell's file, so its line alone would name the wrong cell)."""
-    from .state import STATE
-
     f = sys._getframe(1)  # outward from the caller: our own frames are in no cell
     inner = site = func = None
+    running = _STATE.cell_file
     for _ in range(60):
         if f is None:
             break
-        name = f.f_code.co_filename
+        code = f.f_code
+        name = code.co_filename
         if name.startswith(CELL_PREFIX):
             if inner is None:
                 inner = (name, f.f_lineno)
-                if f.f_code.co_name != "<module>":
-                    func = f.f_code.co_name
-            if name == STATE.cell_file:
-                site = (name, f.f_lineno)  # outward: the running cell's outermost frame
+                if code.co_name != "<module>":
+                    func = code.co_name
+            if name == running:
+                site = (name, f.f_lineno)
+                if code.co_name == "<module>":
+                    break  # the running cell's own body: nothing outward is the user's
         f = f.f_back
     rec["where"] = inner
     if func is not None:
@@ -202,17 +212,24 @@ def _reduce_name(value: Any) -> str:
 
 
 def _bound(fn, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The call's arguments by name (peer, tag, group), as the op's signature names them."""
-    import inspect
+    """The call's arguments by name (peer, tag, group, src), as the op's signature names
+    them: positional ones matched to its parameter names (a wrong call is torch's to
+    refuse), keywords as given. On every collective's path: no signature binding."""
+    names = _param_names.get(fn)
+    if names is None:
+        import inspect
 
-    try:
-        sig = _signatures.get(fn) or _signatures.setdefault(fn, inspect.signature(fn))
-        return dict(sig.bind_partial(*args, **kwargs).arguments)
-    except (TypeError, ValueError):
-        return dict(kwargs)
+        try:
+            names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            names = ()
+        _param_names[fn] = names
+    out = dict(zip(names, args))
+    out.update(kwargs)
+    return out
 
 
-_signatures: dict[Any, Any] = {}
+_param_names: dict[Any, tuple[str, ...]] = {}
 
 
 def p2p_record(op: str, tensor: Any, peer: Any, group_peer: Any, group: Any, tag: Any) -> dict:
@@ -274,7 +291,16 @@ def _wrap_collective(op: str, fn):
             "t0": time.time(),
         }
         locate(rec)
-        return _run(t, rec, fn, args, kwargs, history=True)
+        if t.blackbox is not None:
+            persist(t.blackbox, rec)
+        before = None
+        if t.check:
+            from .argcheck import check
+
+            def before():
+                check(rec, bound.get("group"), t.device)
+
+        return _run(t, rec, fn, args, kwargs, history=True, before=before)
 
     tracked._notebook_dist_original = fn
     return tracked
@@ -334,10 +360,12 @@ def _batch(t: Tracker, fn, args: tuple, kwargs: dict):
     return works
 
 
-def _run(t: Tracker, rec: dict, fn, args: tuple, kwargs: dict, history: bool):
+def _run(t: Tracker, rec: dict, fn, args: tuple, kwargs: dict, history: bool, before=None):
     t.current = rec
     t.depth = 1
     try:
+        if before is not None:
+            before()
         return fn(*args, **kwargs)
     except BaseException:
         rec["failed"] = True  # the kernel tells a release's consequence from a cause
@@ -351,6 +379,37 @@ def _run(t: Tracker, rec: dict, fn, args: tuple, kwargs: dict, history: bool):
         t.count += 1
         if history:
             t.history.append(rec)
+
+
+BLACKBOX_SIZE = 1024
+
+
+def open_blackbox(path: str):
+    """A small file, mapped into memory, that holds the current collective's record:
+    written with a copy into memory per collective (no system call), read by the notebook
+    when the rank has died (``notebook_dist.cluster.recovery.fault_report``)."""
+    import mmap
+
+    with open(path, "w+b") as f:
+        f.truncate(BLACKBOX_SIZE)
+        return mmap.mmap(f.fileno(), BLACKBOX_SIZE)
+
+
+def persist(box, rec: dict[str, Any]) -> None:
+    keep = {k: rec.get(k) for k in ("op", "seq", "group", "shapes", "dtypes", "args", "where")}
+    data = repr(keep).encode()[: BLACKBOX_SIZE - 1]
+    box[: len(data) + 1] = data + b"\0"
+
+
+def read_blackbox(text: str) -> dict[str, Any] | None:
+    """The record :func:`persist` wrote (kernel side), or None."""
+    import ast
+
+    try:
+        rec = ast.literal_eval(text.split("\0", 1)[0])
+    except (ValueError, SyntaxError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("op") else None
 
 
 def install(dist_module) -> None:

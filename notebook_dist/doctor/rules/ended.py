@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..facts import TRANSPORT_ERROR
+from ..facts import TRANSPORT_ERROR, call_text, records, shape_text
 from .base import Diagnosis, Facts, make, registrar
 
 RULES: list = []
@@ -35,8 +35,9 @@ def dead(f: Facts) -> Diagnosis | None:
         how = f"Every rank of the cell has ended: {how}"
         then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells), or %dist_shutdown."
     hint = ""
-    if any("SIGABRT" in str(f.info[r].get("exit", "")) for r in f.dead):
-        hint = (
+    aborted = [r for r in f.dead if "SIGABRT" in str(f.info[r].get("exit", ""))]
+    if aborted:
+        hint = abort_hint(f, aborted[0]) or (
             " Gloo aborts a rank when the tensors of one collective differ in shape or dtype across"
             " ranks: check what each rank passes there."
         )
@@ -54,6 +55,35 @@ def dead(f: Facts) -> Diagnosis | None:
         f"{how}.{tail}{hint} {then}",
         f.dead,
         line,
+    )
+
+
+def abort_hint(f: Facts, dead: int) -> str:
+    """What each rank passed to the collective Gloo aborted ``dead`` in: its record (kept in
+    memory that outlives it) beside the others' records of the same collective."""
+    rec = f.info[dead].get("record")
+    if not rec:
+        return ""
+    key = (rec.get("group"), rec.get("seq"))
+    passed = {dead: rec}
+    for r in f.info:
+        if r == dead:
+            continue
+        theirs = [x for x in records(f.snaps[r]) if (x.get("group"), x.get("seq")) == key]
+        if theirs:
+            passed[r] = theirs[-1]
+
+    def what(x: dict) -> str:
+        op = "" if x.get("op") == rec.get("op") else f"{x.get('op')} of "
+        return f"{op}{shape_text(x.get('shapes') or [])} {'/'.join(x.get('dtypes') or [])}".strip()
+
+    each = "; ".join(f"rank {r} {what(x)}" for r, x in sorted(passed.items()))
+    unseen = "" if len(passed) > 1 else " (the others' arguments were not seen)"
+    return (
+        f" Gloo aborted rank {dead} in {rec.get('op')} #{rec.get('seq')} at "
+        f"{call_text(rec, f.cell_file)}, where the ranks passed: {each}{unseen}. Every rank must "
+        "pass tensors of the same shape and dtype to one collective (%%distributed "
+        "--check-collectives compares them first, with every rank kept alive)."
     )
 
 

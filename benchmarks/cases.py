@@ -325,10 +325,8 @@ def check_collectives(cluster, reps: int, calls: int = 200) -> dict:
         cell = CHECKED_LOOP.replace("NUMEL", str(numel)).replace("CALLS", str(calls))
         plain, checked = [], []
         for i in range(reps):
-            for flag, into in ((False, plain), (True, checked)) if i % 2 == 0 else (
-                (True, checked),
-                (False, plain),
-            ):
+            order = [(False, plain), (True, checked)]
+            for flag, into in order if i % 2 == 0 else order[::-1]:
                 r = cluster.run(cell, check_collectives=flag)
                 r.raise_for_errors()
                 into.append(r.values[0])

@@ -19,7 +19,9 @@ def load_ipython_extension(ipython) -> None:
 
 
 def unload_ipython_extension(ipython) -> None:
+    from notebook_dist.session import SESSION
+
     magics = getattr(ipython, "_notebook_dist_magics", None)
     if magics is not None:
         magics.autodist(False)
-        magics.shutdown_cluster(quiet=True)
+        SESSION.shutdown()

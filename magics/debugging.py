@@ -3,14 +3,12 @@ cross-rank inspection, and export to a torchrun script."""
 
 from __future__ import annotations
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from notebook_dist import session
-from notebook_dist.errors import RankSpecError
+from notebook_dist.session import SESSION
 
-from .magics import _usage, _usage_errors, live_cluster, parse_argstring
+from .magics import no_arguments, parse_argstring, usage_errors
 
 
 @magics_class
@@ -34,37 +32,8 @@ class DebugMagics(Magics):
         the live stacks while a cell runs from another thread.
         """
         args = parse_argstring(self.dist_stacks, line)
-        cluster = live_cluster()
-        try:
-            ranks = cluster.select(args.ranks)
-        except RankSpecError as exc:
-            raise _usage(exc) from None
-        from notebook_dist.doctor import format_stacks
-
-        watch = cluster.last_watch
-        if watch is None:
-            print("notebook_dist: no cell has run yet; every rank is idle.")
-            return
-        snaps = (
-            watch.frozen
-            if (watch.frozen is not None and not watch.running())
-            else {r: v.snap for r, v in watch.views.items()}
-        )
-        when = (
-            "now"
-            if watch.running()
-            else (
-                "when the last cell hung or was interrupted"
-                if watch.frozen is not None
-                else "at the end of the last cell"
-            )
-        )
-        print(f"stacks {when}:")
-        print(
-            format_stacks(
-                {r: snaps.get(r, {}) for r in ranks if r in snaps}, watch.prepared.filename
-            )
-        )
+        with usage_errors():
+            print(SESSION.stacks(args.ranks))
 
     @line_magic
     def dist_diagnose(self, line: str = ""):
@@ -72,17 +41,9 @@ class DebugMagics(Magics):
 
         In [8]: %dist_diagnose
         """
-        if line.strip():
-            raise UsageError("%dist_diagnose takes no arguments")
-        cluster = live_cluster()
-        watch = cluster.last_watch
-        if watch is None:
-            print("notebook_dist: no cell has run yet.")
-            return
-        if watch.running():
-            print(watch.diagnose().text())
-        else:  # the ranks as they were when the hang showed or they were released
-            print((watch.final or watch.diagnose(before_release=True)).text())
+        no_arguments("%dist_diagnose", line)
+        with usage_errors():
+            print(SESSION.diagnose())
 
     @magic_arguments()
     @argument(
@@ -98,33 +59,9 @@ class DebugMagics(Magics):
         notebook_dist: restarted 2 ranks (gloo) in 7.9 s; replayed 3 cells.
         """
         args = parse_argstring(self.dist_restart, line)
-        import time
-
-        cluster = live_cluster()
-        t0 = time.perf_counter()
-        history = list(cluster.history)
-        fresh = cluster.restarted()
-        session.set_current(fresh)
-        msg = (
-            f"notebook_dist: restarted {fresh.world_size} ranks ({fresh.backend}) in "
-            f"{time.perf_counter() - t0:.1f} s (stopped: {cluster.stop_note})"
-        )
-        if args.replay:
-            print(msg + f"; replaying {len(history)} cell{'s' if len(history) != 1 else ''}.")
-            n = fresh.replay(history)
-            print(
-                f"notebook_dist: replayed {n} cell{'s' if n != 1 else ''}; the ranks are where they were."
-            )
-        else:
-            print(
-                msg
-                + (
-                    f"; {len(history)} earlier cell{'s' if len(history) != 1 else ''} can be "
-                    "replayed with --replay."
-                    if history
-                    else "."
-                )
-            )
+        with usage_errors():
+            for said in SESSION.restart(args.replay):
+                print(said)
 
     # ---- inspection ------------------------------------------------------------------
 
@@ -147,9 +84,8 @@ class DebugMagics(Magics):
         leaf by leaf; large tensors are compared on the ranks, not sent to the notebook.
         """
         args = parse_argstring(self.dist_compare, line)
-        cluster = live_cluster()
-        with _usage_errors():
-            return cluster.compare(" ".join(args.expr), args.ranks, args.atol, args.rtol)
+        with usage_errors():
+            return SESSION.live().compare(" ".join(args.expr), args.ranks, args.atol, args.rtol)
 
     @magic_arguments()
     @argument("expr", nargs="*", help="an expression to evaluate in that frame")
@@ -177,9 +113,8 @@ class DebugMagics(Magics):
         => 0
         """
         args = parse_argstring(self.dist_debug, line)
-        cluster = live_cluster()
-        with _usage_errors():
-            return cluster.debug(args.rank, " ".join(args.expr) or None, args.frame)
+        with usage_errors():
+            return SESSION.live().debug(args.rank, " ".join(args.expr) or None, args.frame)
 
     @magic_arguments()
     @argument("expr", nargs="+", help="a Python expression, evaluated on every rank")
@@ -191,9 +126,8 @@ class DebugMagics(Magics):
         In [12]: %dist_inspect loss.item()
         """
         args = parse_argstring(self.dist_inspect, line)
-        cluster = live_cluster()
-        with _usage_errors():
-            return cluster.inspect(" ".join(args.expr), args.ranks)
+        with usage_errors():
+            return SESSION.live().inspect(" ".join(args.expr), args.ranks)
 
     # ---- export ----------------------------------------------------------------------
 
@@ -211,48 +145,6 @@ class DebugMagics(Magics):
         as comments; cells that raised are left out (as comments).
         """
         args = parse_argstring(self.dist_export, line)
-        from notebook_dist.export import ExportCell, select_cells, to_script
-
-        cluster = session.current()
-        world_size = cluster.world_size if cluster is not None else 2
-        raw = self.shell.history_manager.input_hist_raw
-        cells = []
-        for n in range(1, len(raw)):
-            if n in session.cell_records:
-                cell = session.cell_records[n]
-                if not cell.ok:
-                    cell = ExportCell(
-                        n, "kernel", "(raised on the ranks in the notebook)\n" + cell.source
-                    )
-                cells.append(cell)
-                continue
-            text = raw[n].strip()
-            lines = [ln for ln in text.splitlines() if ln.strip()]
-            if (
-                not lines
-                or all(ln.lstrip().startswith("%") for ln in lines)
-                or text.startswith("%%")
-            ):
-                continue  # magics (%dist_init, %%rank that failed to parse, ...)
-            cells.append(ExportCell(n, "kernel", text))
-        try:
-            chosen = select_cells(cells, args.cells)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        n_dist = sum(c.kind == "distributed" for c in chosen)
-        if not n_dist:
-            raise UsageError(
-                "no distributed cell has run yet (or none in --cells): nothing to export"
-            )
-        import os
-
-        try:
-            with open(args.file, "w") as f:
-                f.write(to_script(chosen, world_size, os.path.basename(args.file)))
-        except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
-            reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-            raise UsageError(f"cannot write {args.file!r}: {reason}") from None
-        print(
-            f"wrote {args.file}: {n_dist} distributed cell{'s' if n_dist != 1 else ''}. "
-            f"Run it with: torchrun --nproc_per_node={world_size} {args.file}"
-        )
+        raw = list(self.shell.history_manager.input_hist_raw)
+        with usage_errors():
+            print(SESSION.export(args.file, args.cells, raw))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import keyword
-import math
 import re
 from contextlib import contextmanager
 
@@ -12,25 +11,19 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.core.magic_arguments import parse_argstring as _ipython_parse
 
-from notebook_dist import session
-from notebook_dist.cluster import DistCluster
-from notebook_dist.config import DistConfig
-from notebook_dist.errors import PreflightError, RankSpecError
-
-
-def _usage(exc: Exception) -> UsageError:
-    return UsageError(str(exc))
+from notebook_dist.errors import UsageMistake
+from notebook_dist.request import ClusterRequest
+from notebook_dist.session import SESSION
 
 
 @contextmanager
-def _usage_errors():
-    """Bad input (a rank spec, an expression, a rank that did not fail) as a UsageError."""
-    from notebook_dist.inspect import InspectError
-
+def usage_errors():
+    """The one way a mistake in what the user typed becomes IPython's UsageError: every
+    library error that is such a mistake derives from ``errors.UsageMistake``."""
     try:
         yield
-    except (RankSpecError, InspectError) as exc:
-        raise _usage(exc) from None
+    except UsageMistake as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_argstring(magic, line: str):
@@ -41,6 +34,11 @@ def parse_argstring(magic, line: str):
         raise UsageError(f"cannot read the arguments {line!r}: {exc}") from None
 
 
+def no_arguments(magic: str, line: str) -> None:
+    if line.strip():
+        raise UsageError(f"{magic} takes no arguments")
+
+
 def _ipython_owns(name: str) -> bool:
     """Names IPython's history machinery sets after each cell (_, __, _5, _i5, In, Out)."""
     if name in ("In", "Out", "get_ipython", "exit", "quit") or name.strip("_") == "":
@@ -48,23 +46,21 @@ def _ipython_owns(name: str) -> bool:
     return re.fullmatch(r"_i{0,3}\d*", name) is not None
 
 
-def _check_seconds(option: str, value: float) -> None:
-    if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"{option} {value}: give a positive number of seconds")
-
-
-def live_cluster() -> DistCluster:
-    cluster = session.current()
-    if cluster is None:
-        raise UsageError("no cluster is running: start one with %dist_init")
-    return cluster
+def check_names(option: str, names: list[str], why: str = "") -> None:
+    """Names the notebook binds: Python names that IPython does not keep for itself."""
+    for name in names:
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise UsageError(f"{option} {name!r}: not a valid Python name")
+        if _ipython_owns(name):
+            raise UsageError(
+                f"{option} {name}: IPython keeps its own values under that name{why}; "
+                "choose another"
+            )
 
 
 @magics_class
 class DistMagics(Magics):
     """Magics for running cells on every rank of a torch.distributed cluster."""
-
-    _autodist_on = False
 
     # ---- cluster -------------------------------------------------------------------
 
@@ -147,95 +143,18 @@ class DistMagics(Magics):
         keeps the live cluster; with other arguments it replaces it.
         """
         args = parse_argstring(self.dist_init, line)
-        attach = args.profile is not None or args.cluster_id is not None
-        ssh = args.launcher.lower() == "ssh"
-        if args.network and not (attach or ssh):
-            raise UsageError(
-                "--network is for ranks on other hosts: --launcher ssh --hosts ..., or attach "
-                "to a cluster with --profile/--cluster-id (other launchers run on this machine)"
-            )
-        for option, value in (("--hosts", args.hosts), ("--ssh", args.ssh)):
-            if value is not None and not ssh:
-                raise UsageError(f"{option} is for --launcher ssh")
-        if attach and (args.port is not None or args.launcher != "local"):
-            option = "--port" if args.port is not None else "--launcher"
-            raise UsageError(f"{option} is for clusters %dist_init starts, not attached ones")
-        common = dict(n=args.n, backend=args.backend, gpus=args.gpus, timeout=args.timeout)
-        try:
-            if attach:
-                from notebook_dist.cluster.attach import AttachedCluster
-
-                wanted = AttachedCluster(
-                    profile=args.profile, cluster_id=args.cluster_id, network=args.network, **common
+        with usage_errors():
+            said = SESSION.init(
+                ClusterRequest(
+                    **{k: getattr(args, k) for k in ("n", "backend", "gpus", "timeout", "port")},
+                    **{k: getattr(args, k) for k in ("launcher", "hosts", "ssh", "sbatch")},
+                    profile=args.profile,
+                    cluster_id=args.cluster_id,
+                    network=args.network,
+                    hang_after=args.hang_after,
                 )
-            else:
-                if args.sbatch is not None and args.launcher != "slurm":
-                    raise UsageError("--sbatch is for --launcher slurm")
-                config = DistConfig(slurm={"options": args.sbatch} if args.sbatch else {})
-                hosts = None
-                if ssh:
-                    import shlex
-
-                    from notebook_dist.cluster.hosts import parse_hosts
-
-                    hosts = parse_hosts(args.hosts or "")
-                    try:  # IPython keeps the quotes around a value: take them off first
-                        options = shlex.split(args.ssh or "")
-                        if len(options) == 1 and args.ssh.strip()[:1] in ("'", '"'):
-                            options = shlex.split(options[0])
-                    except ValueError as exc:
-                        raise UsageError(f"--ssh {args.ssh!r}: {exc}") from None
-                    config.ssh = {"ssh_args": options, "scp_args": list(options)}
-                    config.loopback_only = not args.network
-                wanted = DistCluster(
-                    port=args.port, launcher=args.launcher, config=config, ssh_hosts=hosts, **common
-                )
-        except PreflightError as exc:
-            raise _usage(exc) from None
-        if args.hang_after is not None:
-            _check_seconds("--hang-after", args.hang_after)
-            wanted.config.hang_after_s = args.hang_after
-        live = session.current()
-        if live is not None:
-            if live.request == wanted.request:
-                wanted.discard()
-                if args.hang_after is not None:
-                    live.config.hang_after_s = args.hang_after
-                print(
-                    f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend})."
-                )
-                return
-            print(
-                f"notebook_dist: replacing the running cluster ({live.world_size} ranks, {live.backend}) "
-                f"with {wanted.world_size} ranks, {wanted.backend}; its ranks' variables are lost."
             )
-            session.shutdown()
-        self._start(wanted)
-
-    def _start(self, cluster: DistCluster) -> DistCluster:
-        from notebook_dist.about import versions_line
-
-        cluster.start()
-        session.set_current(cluster)
-        print(versions_line(cluster))
-        print(cluster.table())
-        for note in cluster.notes:
-            print(f"note: {note}")
-        return cluster
-
-    def _cluster(self) -> DistCluster:
-        cluster = session.current()
-        if cluster is None:
-            cluster = DistCluster()
-            print(
-                f"notebook_dist: no cluster was running; starting {cluster.world_size} ranks "
-                f"({cluster.backend}), as %dist_init would."
-            )
-            self._start(cluster)
-        return cluster
-
-    def _live_cluster(self) -> DistCluster:
-        return live_cluster()
+        print("\n".join(said))
 
     @line_magic
     def dist_status(self, line: str = ""):
@@ -243,34 +162,10 @@ class DistMagics(Magics):
 
         In [2]: %dist_status
         """
-        if line.strip():
-            raise UsageError("%dist_status takes no arguments")
-        cluster = session.current()
-        if cluster is None:
-            print("notebook_dist: no cluster is running (start one with %dist_init).")
-            return
-        from notebook_dist.about import versions_line
+        from notebook_dist.ui import show
 
-        rows = cluster.status()
-        columns = ("rank", "host", "pid", "device", "backend", "state", "process_group")
-        if any(row["gpu"] for row in rows):  # GPU ranks: the GPU and its CUDA memory
-            columns += ("gpu",)
-        title = versions_line(cluster)
-        text = title + "\n" + cluster.table(rows, columns)
-        note = cluster.dead_note()
-        if note:
-            text += "\n" + note
-        from notebook_dist.ui import widgets_available
-
-        if widgets_available():
-            from IPython.display import display
-
-            from notebook_dist.ui.html import DashboardRecord, render_html
-            from notebook_dist.ui.state import cluster_state
-
-            display(DashboardRecord(render_html(cluster_state(cluster, rows, title)), text))
-        else:
-            print(text)
+        no_arguments("%dist_status", line)
+        show(SESSION.status())
 
     @line_magic
     def dist_shutdown(self, line: str = ""):
@@ -278,28 +173,8 @@ class DistMagics(Magics):
 
         In [9]: %dist_shutdown
         """
-        if line.strip():
-            raise UsageError("%dist_shutdown takes no arguments")
-        self.shutdown_cluster()
-
-    def shutdown_cluster(self, quiet: bool = False) -> None:
-        cluster = session.current()
-        attached = getattr(cluster, "attached_to", None)
-        stopped = session.shutdown()
-        if quiet:
-            return
-        if not stopped:
-            print("notebook_dist: no cluster was running.")
-        elif attached is not None:
-            where = " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in attached.items() if v is not None
-            )
-            print(
-                "notebook_dist: the ranks left their process group; the engines keep running "
-                f"(they are not ours to stop: ipcluster stop {where})."
-            )
-        else:
-            print(f"notebook_dist: cluster stopped: {stopped}.")
+        no_arguments("%dist_shutdown", line)
+        print(SESSION.shutdown() or "notebook_dist: no cluster was running.")
 
     # ---- running cells -------------------------------------------------------------
 
@@ -362,20 +237,10 @@ class DistMagics(Magics):
         rank's traceback is shown once and the cell fails.
         """
         args = parse_argstring(self.distributed, line)
-        if args.hang_after is not None:
-            _check_seconds("--hang-after", args.hang_after)
         header = None if args.autodist else f"%%distributed {line}".rstrip()
-        return self._run(
-            cell,
-            args.ranks,
-            args.gather,
-            header=header,
-            hang_after=args.hang_after,
-            dashboard=not args.no_dashboard,
-            on_hang=args.on_hang,
-            profile=args.profile,
-            check_collectives=args.check_collectives,
-        )
+        options = {k: getattr(args, k) for k in ("hang_after", "on_hang", "profile")}
+        options["check_collectives"] = args.check_collectives
+        return self._run(cell, args.ranks, args.gather, header, not args.no_dashboard, **options)
 
     @cell_magic
     def rank(self, line: str, cell: str):
@@ -387,71 +252,17 @@ class DistMagics(Magics):
         spec = line.strip()
         if not spec:
             raise UsageError("%%rank needs ranks, e.g. %%rank 0 or %%rank 0,2 or %%rank 1-3")
-        return self._run(cell, spec, [], header=f"%%rank {line}".rstrip())
+        return self._run(cell, spec, [], f"%%rank {line}".rstrip())
 
-    def _run(
-        self,
-        cell: str,
-        ranks: str,
-        gather: list[str],
-        header: str | None,
-        hang_after: float | None = None,
-        dashboard: bool = True,
-        on_hang: str = "show",
-        profile: bool = False,
-        check_collectives: bool | None = None,
-    ):
-        for name in gather:
-            if not name.isidentifier() or keyword.iskeyword(name):
-                raise UsageError(f"--gather {name!r}: not a valid Python name")
-            if _ipython_owns(name):
-                raise UsageError(
-                    f"--gather {name}: IPython keeps its own values under that name; choose another"
-                )
-        cluster = session.current()
-        planned = cluster if cluster is not None else DistCluster()
-        try:
-            planned.select(ranks)  # a bad spec is refused before anything starts
-        except RankSpecError as exc:
-            raise _usage(exc) from None
-        cluster = self._cluster()
-        filename = f"Cell In[{self.shell.displayhook.prompt_count}]"  # IPython's own Out[N] number
-        from notebook_dist.ui import DashboardFeed, make_dashboard
-
-        config = cluster.config
-        board = make_dashboard(config.dashboard if dashboard else "off", config.dashboard_quiet_s)
-        feed = DashboardFeed(board) if board is not None else None
-        before = cluster.last_watch
-        try:
-            result = cluster.run(
-                cell,
-                ranks,
-                gather,
-                filename=filename,
-                header=header,
-                hang_after=hang_after,
-                on_update=feed,
-                on_hang=on_hang,
-                profile=profile,
-                check_collectives=check_collectives,
-            )
-        finally:
-            # only this cell's watch: a cell refused before it ran (a syntax error, a dead
-            # rank) has none, and must not show the previous cell's dashboard
-            if feed is not None and cluster.last_watch not in (None, before):
-                feed.close(cluster.last_watch)
-        from notebook_dist.export import ExportCell
-
-        number = self.shell.displayhook.prompt_count
-        session.cell_records[number] = ExportCell(
-            number, "distributed", cell, ranks, ok=not result.errors
-        )
-        for name, values in result.gathered.items():
-            self.shell.user_ns[name] = values
+    def _run(self, cell, ranks, gather, header, dashboard=True, **options):
+        check_names("--gather", gather)
+        number = self.shell.displayhook.prompt_count  # IPython's own Out[N] number
+        with usage_errors():
+            result = SESSION.run_cell(cell, number, ranks, gather, header, dashboard, **options)
+        self.shell.user_ns.update(result.gathered)
         if result.profile is not None:
             from IPython.display import display
 
-            session.last_profile = result.profile
             display(result.profile)
         result.raise_for_errors()
         return result.values
@@ -471,11 +282,8 @@ class DistMagics(Magics):
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
-        cluster = self._live_cluster()
-        try:
-            cluster.push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
-        except RankSpecError as exc:
-            raise _usage(exc) from None
+        with usage_errors():
+            SESSION.live().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
 
     @magic_arguments()
     @argument("names", nargs="+", metavar="NAME", help="rank variables to fetch")
@@ -494,11 +302,8 @@ class DistMagics(Magics):
                     f"%dist_pull {name}: IPython keeps its own values under that name in the "
                     f"notebook; on the ranks, assign it to another name first (x = {name})"
                 )
-        cluster = self._live_cluster()
-        try:
-            pulled = cluster.pull(args.names, ranks=args.ranks)
-        except RankSpecError as exc:
-            raise _usage(exc) from None
+        with usage_errors():
+            pulled = SESSION.live().pull(args.names, ranks=args.ranks)
         self.shell.user_ns.update(pulled)
         if len(pulled) == 1:
             return next(iter(pulled.values()))
@@ -524,7 +329,6 @@ class DistMagics(Magics):
             transformers.append(_autodist_transform)
         if not on and _autodist_transform in transformers:
             transformers.remove(_autodist_transform)
-        self._autodist_on = on
 
     @cell_magic
     def local(self, line: str, cell: str):

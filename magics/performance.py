@@ -6,9 +6,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from notebook_dist import session
+from notebook_dist.session import SESSION
 
-from .magics import live_cluster, parse_argstring
+from .magics import no_arguments, parse_argstring, usage_errors
 
 
 @magics_class
@@ -23,11 +23,10 @@ class PerformanceMagics(Magics):
            ...: train(steps=20)
         In [6]: %dist_profile
         """
-        if line.strip():
-            raise UsageError("%dist_profile takes no arguments")
-        if session.last_profile is None:
+        no_arguments("%dist_profile", line)
+        if SESSION.last_profile is None:
             raise UsageError("no cell has been profiled yet: run one with %%distributed --profile")
-        return session.last_profile
+        return SESSION.last_profile
 
     @magic_arguments()
     @argument(
@@ -55,11 +54,8 @@ class PerformanceMagics(Magics):
         all_reduce  1 KiB    95.1 us   0.011 GB/s  0.011 GB/s
         ...
         """
-        from notebook_dist.bench import BenchError, bench
+        from notebook_dist.bench import bench
 
         args = parse_argstring(self.dist_bench, line)
-        cluster = live_cluster()
-        try:
-            return bench(cluster, args.ops, args.sizes, args.dtype)
-        except BenchError as exc:
-            raise UsageError(str(exc)) from None
+        with usage_errors():
+            return bench(SESSION.live(), args.ops, args.sizes, args.dtype)

@@ -13,7 +13,7 @@ import html
 import re
 from dataclasses import dataclass
 
-from .errors import NotebookDistError
+from .errors import UsageMistake
 from .profile import BUS_FACTOR, _bytes_text
 from .runtime.bench import OPS
 
@@ -22,7 +22,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8"
 MAX_SIZE = 8 << 30
 
 
-class BenchError(NotebookDistError, ValueError):
+class BenchError(UsageMistake, ValueError):
     """A %dist_bench request that cannot be measured."""
 
 

@@ -33,6 +33,22 @@ class DistConfig:
     inside a collective), they are released from their collectives so the cell ends
     in seconds rather than after the collective timeout."""
 
+    abandon_after_death_s: float = 5.0
+    """Once a rank has died and the others were interrupted (``release_after_error_s``
+    after the death), how much longer the cell waits for them before it ends without."""
+
+    interrupt_grace_s: float = 1.0
+    """The stop button: how long the ranks get to stop on SIGINT before those still running
+    (blocked in a collective, where SIGINT cannot land) are released; and, after the release,
+    before a second SIGINT."""
+
+    release_grace_s: float = 3.0
+    """After a release, how long the released ranks get to leave their collectives."""
+
+    output_grace_s: float = 15.0
+    """When every rank has finished, how long to wait for the rest of their output (a big
+    output on a busy machine can take seconds; a dead rank's never comes: 1 s then)."""
+
     dashboard: str = "auto"
     """``auto`` (live widgets in Jupyter, text elsewhere), ``widget``, ``text`` or ``off``;
     ``%%distributed --no-dashboard`` turns it off for one cell."""

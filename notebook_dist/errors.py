@@ -14,12 +14,25 @@ class NotebookDistError(Exception):
         return [f"{type(self).__name__}: {self}"]
 
 
-class RankSpecError(NotebookDistError, ValueError):
+class UsageMistake(NotebookDistError):
+    """Input the user can correct (an option, a rank, a name): the magics show it as
+    IPython's ``UsageError``, one line, no traceback."""
+
+
+class RankSpecError(UsageMistake, ValueError):
     """A ``--ranks`` specification that does not name ranks of this cluster."""
 
 
-class PreflightError(NotebookDistError, RuntimeError):
+class PreflightError(UsageMistake, RuntimeError):
     """A cluster request that cannot work, refused before anything starts."""
+
+
+class OptionError(UsageMistake, ValueError):
+    """An option of a cell or a call that cannot be used as given."""
+
+
+class NoClusterError(UsageMistake, RuntimeError):
+    """Something that needs the ranks was asked for while no cluster runs."""
 
 
 class ClusterError(NotebookDistError, RuntimeError):

@@ -119,6 +119,10 @@ class OutputStreamer:
             return self.err or sys.stderr
         return self.out or sys.stdout
 
+    def stdout_stream(self) -> TextIO:
+        """Where the cell's own notes go: the cell's stdout."""
+        return self._stream("stdout")
+
     def poll(self) -> None:
         for rank, md in self.sources:
             for name in ("stdout", "stderr"):

@@ -13,7 +13,12 @@ import textwrap
 from dataclasses import dataclass
 from datetime import datetime
 
+from .errors import UsageMistake
 from .ranks import parse_ranks
+
+
+class ExportError(UsageMistake, ValueError):
+    """An export that cannot be written: nothing to export, bad --cells, a bad path."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,54 @@ def select_cells(cells: list[ExportCell], spec: str | None) -> list[ExportCell]:
     for part in spec.split(","):
         lo, sep, hi = part.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad --cells {spec!r}: give cell numbers like 3-7,9")
+            raise ExportError(f"bad --cells {spec!r}: give cell numbers like 3-7,9")
         wanted.update(range(int(lo), int(hi or lo) + 1))
     return [c for c in cells if c.number in wanted]
+
+
+def history_cells(raw_history: list[str], records: dict[int, ExportCell]) -> list[ExportCell]:
+    """The notebook's cells in the order they ran: the distributed ones as recorded
+    (those that raised on a rank kept as comments), the kernel's own as comments; cells
+    of magics only (%dist_init, ...) left out."""
+    cells = []
+    for n in range(1, len(raw_history)):
+        if n in records:
+            cell = records[n]
+            if not cell.ok:
+                cell = ExportCell(
+                    n, "kernel", "(raised on the ranks in the notebook)\n" + cell.source
+                )
+            cells.append(cell)
+            continue
+        text = raw_history[n].strip()
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        if not lines or all(ln.lstrip().startswith("%") for ln in lines) or text.startswith("%%"):
+            continue
+        cells.append(ExportCell(n, "kernel", text))
+    return cells
+
+
+def write_script(
+    path: str,
+    cells: str | None,
+    raw_history: list[str],
+    records: dict[int, ExportCell],
+    world_size: int,
+) -> str:
+    """Write the script for torchrun at ``path`` (``cells``: a --cells spec); what to say."""
+    import os
+
+    chosen = select_cells(history_cells(raw_history, records), cells)
+    n_dist = sum(c.kind == "distributed" for c in chosen)
+    if not n_dist:
+        raise ExportError("no distributed cell has run yet (or none in --cells): nothing to export")
+    try:
+        with open(path, "w") as f:
+            f.write(to_script(chosen, world_size, os.path.basename(path)))
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ExportError(f"cannot write {path!r}: {reason}") from None
+    return (
+        f"wrote {path}: {n_dist} distributed cell{'s' if n_dist != 1 else ''}. "
+        f"Run it with: torchrun --nproc_per_node={world_size} {path}"
+    )

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .compare import Comparison, merge
-from .errors import NotebookDistError
+from .errors import UsageMistake
 from .runtime import inspect as rt_inspect
 from .values import RankValues, unpack
 
 
-class InspectError(NotebookDistError, ValueError):
+class InspectError(UsageMistake, ValueError):
     """A post-mortem or comparison that cannot be done, with what to do instead."""
 
 

@@ -80,6 +80,39 @@ def until_verdict(cluster, code: str, hang_after: float, give_up_s: float | None
     return seen.get("diag"), out.getvalue(), seen.get("t", end), end
 
 
+def torchrun(script, nproc: int = 2, env: dict | None = None, timeout: float = 240):
+    """``torchrun --standalone --nproc_per_node=N script`` in this Python, one thread per
+    rank (as CI's 2 cores need): the CompletedProcess, text captured."""
+    import subprocess
+
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+    )
+
+
+def wait_until(holds, within_s: float, every_s: float = 0.1) -> bool:
+    """Ask ``holds()`` until it is true or ``within_s`` seconds have passed; whether it
+    held. The one polling loop of the tests (each says how long it gives the machine)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if holds():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(every_s)
+
+
 def pids_alive(pids) -> list[int]:
     alive = []
     for pid in pids:

@@ -7,11 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
-from conftest import pids_alive, rank_table
+from conftest import pids_alive, rank_table, wait_until
 
 from notebook_dist.errors import PreflightError
 from notebook_dist.plan import master_address, rank_order
@@ -78,9 +77,7 @@ def ipcluster():
     import ipyparallel as ipp
 
     c = ipp.Client(profile=PROFILE, cluster_id=cluster_id, timeout=30)
-    deadline = time.monotonic() + 60
-    while len(c.ids) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: len(c.ids) >= 2, 60)
     pids = c[:].apply_sync(os.getpid)
     c.close()
     yield cluster_id, pids

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -18,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import pids_alive
+from conftest import pids_alive, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -127,7 +128,18 @@ def lab(tmp_path):
         "token": token,
         "tmp": tmp_path,
     }
-    # stop kernels first (their clusters go with them), then the server
+    _shutdown_kernels({"base": base, "token": token})  # their clusters go with them
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _shutdown_kernels(lab) -> None:
+    """Every kernel of the server, shut down as JupyterLab's "Shut Down Kernel" does."""
+    base, token = lab["base"], lab["token"]
     try:
         req = urllib.request.Request(f"{base}/api/kernels?token={token}")
         for k in json.load(urllib.request.urlopen(req, timeout=5)):
@@ -139,12 +151,6 @@ def lab(tmp_path):
             )
     except OSError:
         pass
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
 
 
 def test_dashboard_renders_live_and_ends_done(lab):
@@ -194,7 +200,10 @@ def test_dashboard_renders_live_and_ends_done(lab):
                 assert rows.nth(i).locator(".nd-step").inner_text() == "50/50"
             final.scroll_into_view_if_needed()
             page.screenshot(path=str(shots / "dashboard.png"))
-            assert "[rank 1] trained" in page.locator(".jp-Notebook").inner_text()
+            text = page.locator(".jp-Notebook").inner_text()
+            assert "[rank 1] trained" in text
+            # the ranks' pids, from the rank table %dist_init printed
+            pids = [int(m) for m in re.findall(r"^\s*[01]\s+\S+\s+(\d+)\s+cpu\s+gloo", text, re.M)]
         except Exception:
             page.screenshot(path=str(lab["tmp"] / "failure.png"))
             print("NOTEBOOK TEXT:\n" + page.locator("body").inner_text()[-3000:])
@@ -203,4 +212,7 @@ def test_dashboard_renders_live_and_ends_done(lab):
         finally:
             browser.close()
     assert (shots / "dashboard.png").stat().st_size > 10_000
-    assert pids_alive([]) == []
+    # the kernel shut down from JupyterLab's side takes its ranks with it
+    assert len(pids) == 2 and pids_alive(pids) == pids, pids
+    _shutdown_kernels(lab)
+    assert wait_until(lambda: not pids_alive(pids), 20), f"ranks outlived the kernel: {pids}"

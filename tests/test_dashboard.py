@@ -180,9 +180,9 @@ def test_text_rendering():
         "last",
         "output",
     ]
-    assert lines[2].split()[:4] == ["0", "running", "50/50", "loss=0.5"] or lines[2].split()[
-        :4
-    ] == ["0", "done", "50/50", "loss=0.5"]
+    assert lines[2].split()[:4] == ["0", "done", "50/50", "loss=0.5"]
+    running = render_text(_state(20, "running")).splitlines()
+    assert running[2].split()[:4] == ["0", "running", "20/50", "loss=0.5"]
     assert lines[-1] == "Diagnosis: Nothing is stuck."
 
 

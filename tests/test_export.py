@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from conftest import torchrun
 
 from notebook_dist.export import ExportCell, select_cells, to_script
 
@@ -65,21 +62,7 @@ def test_exported_ddp_notebook_trains_the_same_under_torchrun(live, run, ip, tmp
     )
     text = script.read_text()
     assert "# lr_note = 'kernel-only cell'" in text and "if dist.get_rank() in (0,):" in text
-    env = dict(os.environ, ND_EXPORT_OUT=str(script_out), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-    )
+    proc = torchrun(script, env={"ND_EXPORT_OUT": str(script_out)}, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = torch.load(notebook_out), torch.load(script_out)
     assert a.keys() == b.keys()

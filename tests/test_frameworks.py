@@ -10,12 +10,10 @@ process of its own), and that nothing of ours shows in the cell's output.
 from __future__ import annotations
 
 import io
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+from conftest import torchrun
 
 from notebook_dist import DistCluster
 
@@ -311,21 +309,7 @@ def test_torch_compile_on_ddp_says_no_more_than_under_torchrun(cluster, tmp_path
     assert values == {0: True, 1: True}
     script = tmp_path / "job.py"
     script.write_text(TORCHRUN_COMPILE.replace("CODE", repr(COMPILE)))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    job = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    job = torchrun(script)
     assert job.returncode == 0, job.stderr[-2000:]
     torchrun_said = [m for m in _messages(job.stdout + job.stderr) if "OMP_NUM_THREADS" not in m]
     torchrun_said = [m for m in torchrun_said if not m.startswith("*****")]

@@ -175,13 +175,16 @@ def guarded(live, ip, tmp_path, monkeypatch):
     pre-flight all run for real); a line that reaches the boundary is a correct run.
     """
     from IPython.utils.capture import capture_output
-    from notebook_dist.magics.magics import DistMagics
 
     from notebook_dist import session
 
     reached = []
-    monkeypatch.setattr(DistMagics, "_start", lambda self, c: reached.append(("start", c)))
-    monkeypatch.setattr(session, "shutdown", lambda: reached.append(("shutdown",)) or True)
+    monkeypatch.setattr(
+        session.Session, "_start", lambda self, c: reached.append(("start", c)) or ["started"]
+    )
+    monkeypatch.setattr(
+        session.Session, "shutdown", lambda self: reached.append(("shutdown",)) or "stopped"
+    )
     monkeypatch.setattr(type(live), "restarted", lambda self: reached.append("restart") or self)
     monkeypatch.setattr(type(live), "replay", lambda self, cells, **kw: len(cells))
     monkeypatch.chdir(tmp_path)  # %dist_export writes here

@@ -140,10 +140,9 @@ def test_a_rank_ending_itself_is_reported_at_its_line_and_restart_recovers(
 
 def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
     import signal
-    import time
 
     import pytest
-    from conftest import pids_alive
+    from conftest import pids_alive, wait_until
 
     from notebook_dist import DistCluster
     from notebook_dist.errors import ClusterError
@@ -160,9 +159,7 @@ def test_a_controller_crash_leaves_no_engine_and_restart_recovers():
         schedulers = group_members(leader)
         assert schedulers, "expected the controller's scheduler processes in its group"
         os.kill(controller, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while pids_alive(engines + schedulers + [reaper]) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: not pids_alive(engines + schedulers + [reaper]), 10)
         assert pids_alive(engines + schedulers + [reaper]) == [], (
             "processes outlived their controller by 10 s"
         )
@@ -186,16 +183,10 @@ def _our_children() -> set[int]:
 
 
 def _nothing_new_left(before: set[int], within_s: float = 10.0) -> list[int]:
-    import time
+    from conftest import pids_alive, wait_until
 
-    from conftest import pids_alive
-
-    deadline = time.monotonic() + within_s
-    while True:
-        left = pids_alive(_our_children() - before)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+    wait_until(lambda: not pids_alive(_our_children() - before), within_s)
+    return pids_alive(_our_children() - before)
 
 
 def test_a_taken_port_is_refused_before_anything_starts(live, run):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from contextlib import contextmanager
 
 import pytest
-from conftest import pids_alive
+from conftest import pids_alive, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -20,9 +19,7 @@ PIDS_CODE = (
 
 
 def _wait_gone(pids, within_s):
-    deadline = time.monotonic() + within_s
-    while pids_alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not pids_alive(pids), within_s)
     return pids_alive(pids)
 
 
@@ -94,9 +91,7 @@ def test_shutdown_and_dead_rank_report():
     ]
     try:
         os.kill(cluster.ranks[1].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        while not cluster.dead_ranks() and time.monotonic() - t0 < 5:
-            time.sleep(0.05)
+        wait_until(cluster.dead_ranks, 5, every_s=0.05)
         assert cluster.dead_ranks() == {1: "was killed by SIGKILL"}
         with pytest.raises(ClusterError) as info:
             cluster.run("1 + 1")

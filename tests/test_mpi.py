@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import time
 
 import pytest
-from conftest import DDP_IN_SYNC, pids_alive
+from conftest import DDP_IN_SYNC, pids_alive, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +42,7 @@ def test_mpi_launcher_runs_ranks_in_mpi_order_and_stops_them_all(no_current, run
     pids = [r.pid for r in cluster.ranks] + [mpiexec, cluster.processes.ipp.controller.pid]
     out = run("%dist_shutdown")
     assert out.stdout.strip() == "notebook_dist: cluster stopped: the controller and 2 ranks."
-    deadline = time.monotonic() + 10
-    while pids_alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not pids_alive(pids), 10)
     assert pids_alive(pids) == []
 
 
@@ -131,9 +128,7 @@ def test_kernel_sigkill_leaves_no_mpi_process(tmp_path):
         pids = [int(p) for p in "".join(lines).split("PIDS", 1)[1].split()]
         assert len(pids) == 3 and pids_alive(pids) == pids
         os.kill(km.provisioner.process.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while pids_alive(pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: not pids_alive(pids), 10)
         assert pids_alive(pids) == [], "mpiexec or its ranks outlived the kernel"
     finally:
         kc.stop_channels()

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import DDP_IN_SYNC, ctrl_c_after, rank_table
+from conftest import DDP_IN_SYNC, ctrl_c_after, rank_table, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -225,9 +225,7 @@ def ssh_cluster(hosts, ip):
         import ipyparallel as ipp
 
         client = ipp.Client(profile=profile, cluster_id=cluster_id, timeout=30)
-        deadline = time.monotonic() + 60  # --daemonize returns before the engines register
-        while len(client.ids) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: len(client.ids) >= 2, 60)  # --daemonize returns before they register
         client.close()
         yield profile, cluster_id
     finally:
@@ -371,9 +369,7 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
 
     out = run("%dist_shutdown")
     assert out.error is None, out.output
-    deadline = time.monotonic() + 15
-    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 15)
     assert not [p for p in pids if psutil.pid_exists(p)], "engines left running on the hosts"
     left = [where for where in remote_dirs if hosts["exists_on"](*where)]
     assert not left, f"folders left on the hosts: {left}"

@@ -63,11 +63,25 @@ def test_gpu_list_selects_physical_gpus_and_keeps_local_rank_device():
     assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1"]
 
 
-def test_gpu_list_respects_the_notebooks_own_cuda_visible_devices():
-    gpu_ids = visible_gpus(
-        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, proc_root="/nonexistent", dev_root="/nonexistent"
-    )
-    assert gpu_ids == []  # no driver: nothing is visible, whatever the variable says
+def test_gpu_list_respects_the_notebooks_own_cuda_visible_devices(tmp_path):
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for i in range(8):  # a machine with 8 GPUs: their device files, no driver folder
+        (dev / f"nvidia{i}").touch()
+    (dev / "nvidiactl").touch()
+    none = str(tmp_path / "no-proc")
+
+    def visible(spec):
+        return visible_gpus({"CUDA_VISIBLE_DEVICES": spec}, proc_root=none, dev_root=str(dev))
+
+    assert visible_gpus({}, proc_root=none, dev_root=str(dev)) == [str(i) for i in range(8)]
+    assert visible("4,5,6,7") == ["4", "5", "6", "7"]
+    assert visible("6,2") == ["6", "2"]  # in the order given, as CUDA numbers them
+    assert visible("5,9,6") == ["5"]  # CUDA stops at the first id that is not there
+    assert visible("") == [] and visible("-1") == []
+    assert visible("GPU-1f2e") == ["GPU-1f2e"]
+    # no driver at all: nothing is visible, whatever the variable says
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}, proc_root=none, dev_root=none) == []
 
 
 def test_more_ranks_than_gpus_falls_back_to_gloo_with_a_note():

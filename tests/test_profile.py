@@ -16,7 +16,20 @@ from notebook_dist.profile import _minus, analyze
 MS = 1_000_000
 
 
-def _rank(rank, arrivals, transfer=1 * MS, busy=(), start=0, end=None, op="all_reduce", line=5):
+def _rank(
+    rank,
+    every,
+    arrivals=None,
+    transfer=1 * MS,
+    busy=(),
+    start=0,
+    end=None,
+    op="all_reduce",
+    line=5,
+):
+    """A rank's profile of the collectives ``every`` (per collective, each rank's arrival);
+    ``arrivals``: this rank's own, where they are not its column of ``every``."""
+    arrivals = [x[rank] for x in every] if arrivals is None else arrivals
     colls = [
         {
             "op": op,
@@ -25,7 +38,7 @@ def _rank(rank, arrivals, transfer=1 * MS, busy=(), start=0, end=None, op="all_r
             "bytes": 4096,
             "arrive": a,
             "start": a,
-            "end": max(arrivals_all[i]) + transfer,
+            "end": max(every[i]) + transfer,
             "line": line,
         }
         for i, a in enumerate(arrivals)
@@ -33,7 +46,7 @@ def _rank(rank, arrivals, transfer=1 * MS, busy=(), start=0, end=None, op="all_r
     return {
         "rank": rank,
         "start": start,
-        "end": end or (max(max(x) for x in arrivals_all) + 2 * MS),
+        "end": end or (max(max(x) for x in every) + 2 * MS),
         "collectives": colls,
         "busy": list(busy),
         "trace": [],
@@ -41,16 +54,12 @@ def _rank(rank, arrivals, transfer=1 * MS, busy=(), start=0, end=None, op="all_r
     }
 
 
-arrivals_all: list = []
-
-
 def test_the_last_rank_to_arrive_is_named_with_its_line():
-    global arrivals_all
     # rank 1 arrives 50 ms after rank 0 at each of 20 all_reduces
-    arrivals_all = [(i * 60 * MS, i * 60 * MS + 50 * MS) for i in range(20)]
+    every = [(i * 60 * MS, i * 60 * MS + 50 * MS) for i in range(20)]
     profiles = {
-        0: _rank(0, [a for a, _ in arrivals_all]),
-        1: _rank(1, [b for _, b in arrivals_all], line=7),
+        0: _rank(0, every),
+        1: _rank(1, every, line=7),
     }
     p = analyze(profiles, {0: 0, 1: 0}, "Cell In[4]")
     assert p.verdict.startswith(
@@ -68,11 +77,10 @@ def test_the_last_rank_to_arrive_is_named_with_its_line():
 def _late_by(ms: int, cpu_wait: tuple, cpu_busy: tuple = (0.5, 0.5)) -> dict:
     """Rank 1 arrives ``ms`` late at each of 20 all_reduces; each rank's cell thread waited
     ``cpu_wait`` seconds for a CPU and spent ``cpu_busy`` on one."""
-    global arrivals_all
-    arrivals_all = [(i * 60 * MS, i * 60 * MS + ms * MS) for i in range(20)]
+    every = [(i * 60 * MS, i * 60 * MS + ms * MS) for i in range(20)]
     profiles = {
-        0: _rank(0, [a for a, _ in arrivals_all]),
-        1: _rank(1, [b for _, b in arrivals_all], line=7),
+        0: _rank(0, every),
+        1: _rank(1, every, line=7),
     }
     for r, (wait, busy) in enumerate(zip(cpu_wait, cpu_busy)):
         if wait is not None:
@@ -116,14 +124,13 @@ def test_the_verdict_stands_when_the_machine_does_not_explain_the_lateness(cpu_w
 
 def _together(ahead: int = 0) -> dict:
     """Two ranks arriving together at 20 all_reduces, rank 1's clock ``ahead`` ns ahead."""
-    global arrivals_all
-    arrivals_all = [(i * 10 * MS, i * 10 * MS) for i in range(20)]
-    skewed = _rank(1, [b + ahead for _, b in arrivals_all])
+    every = [(i * 10 * MS, i * 10 * MS) for i in range(20)]
+    skewed = _rank(1, every, arrivals=[b + ahead for _, b in every])
     for c in skewed["collectives"]:
         c["end"] += ahead
     skewed["start"] += ahead
     skewed["end"] += ahead
-    return {0: _rank(0, [a for a, _ in arrivals_all]), 1: skewed}
+    return {0: _rank(0, every), 1: skewed}
 
 
 def test_clock_offsets_align_the_ranks():
@@ -153,23 +160,19 @@ def test_machines_meet_on_one_clock_at_the_barrier_the_cell_began_with():
 
 
 def test_balanced_ranks_get_no_verdict_and_small_skew_is_not_a_straggler():
-    global arrivals_all
     # rank 1 is last every time, but by 0.2 ms: not worth a verdict
-    arrivals_all = [(i * 10 * MS, i * 10 * MS + MS // 5) for i in range(20)]
-    p = analyze(
-        {0: _rank(0, [a for a, _ in arrivals_all]), 1: _rank(1, [b for _, b in arrivals_all])}, {}
-    )
+    every = [(i * 10 * MS, i * 10 * MS + MS // 5) for i in range(20)]
+    p = analyze({0: _rank(0, every), 1: _rank(1, every)}, {})
     assert p.verdict is None
     assert "No rank holds the others back." in p.text()
 
 
 def test_compute_is_the_wall_less_exposed_communication():
     assert _minus([(0, 10), (20, 30)], [(2, 4), (8, 22)]) == [(0, 2), (4, 8), (22, 30)]
-    global arrivals_all
-    arrivals_all = [(0, 0)]
+    every = [(0, 0)]
     busy = [(0, 5 * MS)]  # the main thread computed through the first half of the collective
-    prof = _rank(0, [0], transfer=10 * MS, busy=busy, end=20 * MS)
-    p = analyze({0: prof, 1: _rank(1, [0], transfer=10 * MS, end=20 * MS)}, {})
+    prof = _rank(0, every, transfer=10 * MS, busy=busy, end=20 * MS)
+    p = analyze({0: prof, 1: _rank(1, every, transfer=10 * MS, end=20 * MS)}, {})
     assert p.ranks[0].exposed_s == pytest.approx(0.005) and p.ranks[0].compute_s == pytest.approx(
         0.015
     )
@@ -335,21 +338,21 @@ def test_dist_bench_measures_and_refuses_bad_input(live, run):
 
 
 def test_gpu_ranks_also_show_exposed_communication():
-    global arrivals_all
-    arrivals_all = [(0, 0)]
-    gpu = _rank(0, [0], transfer=10 * MS, busy=[(0, 5 * MS)], end=20 * MS)
+    every = [(0, 0)]
+    gpu = _rank(0, every, transfer=10 * MS, busy=[(0, 5 * MS)], end=20 * MS)
     gpu["cuda"] = True
-    p = analyze({0: gpu, 1: _rank(1, [0], transfer=10 * MS, end=20 * MS)}, {})
+    p = analyze({0: gpu, 1: _rank(1, every, transfer=10 * MS, end=20 * MS)}, {})
     assert "exposed" in p.text().splitlines()[1].split()
     assert "<th style='padding:1px 8px;text-align:left'>exposed</th>" in p._repr_html_()
-    cpu = analyze({0: _rank(0, [0], end=20 * MS), 1: _rank(1, [0], end=20 * MS)}, {})
+    cpu = analyze({0: _rank(0, every, end=20 * MS), 1: _rank(1, every, end=20 * MS)}, {})
     assert "exposed" not in cpu.text()
 
 
 def test_a_profile_without_the_flight_recorder_gives_no_verdict():
-    global arrivals_all
-    arrivals_all = [(i * 60 * MS, i * 60 * MS + 50 * MS) for i in range(5)]
-    blind = {r: dict(_rank(r, []), unrecorded=5) for r in (0, 1)}  # 5 ran, none recorded
+    every = [(i * 60 * MS, i * 60 * MS + 50 * MS) for i in range(5)]
+    blind = {
+        r: dict(_rank(r, every, arrivals=[]), unrecorded=5) for r in (0, 1)
+    }  # 5 ran, none recorded
     p = analyze(blind, {0: 0, 1: 0}, "Cell In[4]")
     assert p.verdict is None and p.machine is None and p.unrecorded == [0, 1]
     assert p.finding().startswith(

@@ -16,10 +16,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -107,10 +107,8 @@ def test_a_group_is_signalled_only_when_its_leader_leads_a_session_of_its_own():
     leader = _child("sh", "-c", "sleep 600 & wait", session=True)
     plain = _child("sh", "-c", "sleep 600 & wait", session=False)
     try:
-        deadline = time.monotonic() + 5
         own = Started.record(leader.pid, parent=os.getpid())
-        while not signals.group_members(own) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: signals.group_members(own), 5, every_s=0.05)
         members = signals.group_members(own)
         assert own.leads_group and len(members) == 1
         shared = Started.record(plain.pid, parent=os.getpid())

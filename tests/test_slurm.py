@@ -17,7 +17,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import DDP_IN_SYNC, pids_alive
+from conftest import DDP_IN_SYNC, pids_alive, wait_until
 
 from notebook_dist.cluster.engines import RankSlurmEngineSetLauncher, engine_cmd
 
@@ -169,9 +169,7 @@ def test_ranks_as_the_tasks_of_a_slurm_job(slurm, no_current, run):
     assert out.error is None and dict(out.result.result) == {0: True, 1: True}, out.output
     pids = [r.pid for r in cluster.ranks]
     assert run("%dist_shutdown").error is None
-    deadline = time.monotonic() + 15
-    while (pids_alive(pids) or _jobs()) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not (pids_alive(pids) or _jobs()), 15)
     assert pids_alive(pids) == [] and _jobs() == []
 
 
@@ -199,7 +197,5 @@ def test_after_every_slurm_rank_died_shutdown_signals_only_its_own(
     assert run("%dist_shutdown").error is None
     assert signal_spy.foreign == [], signal_spy.calls
     assert [p.poll() for p in bystanders] == [None, None]
-    deadline = time.monotonic() + 15
-    while _jobs() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not _jobs(), 15)
     assert _jobs() == []

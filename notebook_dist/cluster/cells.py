@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
 import uuid
 from typing import Any, TextIO
 
-from ..errors import ClusterError, TransferError
+from ..errors import ClusterError, OptionError, TransferError
 from ..execute import CellResult, PreparedCell, collect, prepare_cell
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import cell as rt_cell
@@ -19,6 +20,14 @@ from ..values import RankValues, pack_named, unpack
 from ..watch import CellWatch
 from .ranks import remote_message
 from .recovery import regain_group
+
+
+def check_options(hang_after: float | None = None, on_hang: str = "show") -> None:
+    """A cell's options, refused with a sentence before anything is sent."""
+    if on_hang not in ("show", "stop"):
+        raise OptionError(f"--on-hang {on_hang!r}: use show or stop")
+    if hang_after is not None and (not math.isfinite(hang_after) or hang_after <= 0):
+        raise OptionError(f"--hang-after {hang_after}: give a positive number of seconds")
 
 
 def run(
@@ -38,13 +47,12 @@ def run(
     check_collectives: bool | None = None,
 ) -> CellResult:
     """:meth:`DistCluster.run`."""
+    check_options(hang_after, on_hang)
     cluster.require_running()
     selected = cluster.select(ranks)
     prepared = cell if isinstance(cell, PreparedCell) else prepare_cell(cell, filename, header)
     cluster.processes.check_alive(selected)
     gather = list(gather)
-    if on_hang not in ("show", "stop"):
-        raise ValueError("on_hang must be 'show' or 'stop'")
     if cluster.group_lost:
         regain_group(cluster, out)
     offsets: dict[int, int] = {}
@@ -80,9 +88,9 @@ def run(
         err,
         cluster.config.hang_after_s if hang_after is None else hang_after,
         on_update,
+        token=token,
+        hang_action=on_hang,
     )
-    watch.token = token
-    watch.hang_action = on_hang
     watch.run_to_end()
     if any(v.status == "dead" for v in watch.views.values()):
         raise ClusterError((watch.final or watch.diagnose()).verdict)

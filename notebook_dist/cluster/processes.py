@@ -72,7 +72,13 @@ class Processes:
         for key, value in launcher.settings(self.profile_dir).items():
             setattr(section, key, value)
         section.engine_cmd = launcher.engine_cmd()
-        section.environment = {**self.config.launch_env(), **launcher.environment()}
+        # the ranks' whole environment is in place when the process starts, before the
+        # thread that imports torch meanwhile (runtime/engine.py) can read any of it
+        section.environment = {
+            **self.config.launch_env(),
+            **self.config.rank_overrides(),
+            **launcher.environment(),
+        }
         self.ipp = cluster = ipp.Cluster(
             n=n,
             profile_dir=self.profile_dir,

@@ -4,6 +4,7 @@ interactive-safe settings, and joins the default process group (the rank side of
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,13 @@ def join(
         )
         for rank, (i, eid) in enumerate(zip(infos, processes.engine_ids))
     ]
-    overridden: dict[str, str] = {}
+    # values of the user's that the ranks replace: the kernel's own environment is what
+    # local engines started with (they are given the ranks' values at start), and a rank
+    # says what its host had set
+    overrides = config.rank_overrides()
+    overridden = {
+        k: os.environ[k] for k, v in overrides.items() if k in os.environ and os.environ[k] != v
+    }
     for info in infos:
         overridden.update(info["overridden"])
     notes = [

@@ -35,6 +35,24 @@ def interrupt(cluster, ranks: Any = None) -> None:
             )
 
 
+def stop_ranks(cluster, running, wait, release, config) -> list[int]:
+    """The stop button, escalated: SIGINT to every running rank; those still running after
+    ``interrupt_grace_s`` (blocked in a collective, where SIGINT cannot land) are released;
+    those still running ``release_grace_s`` later get a second SIGINT (a release can leave
+    a rank in Python code). ``running()`` names the ranks still running, ``wait(s)`` polls
+    the cell for ``s`` seconds, ``release(ranks)`` releases them. Returns those that would
+    not stop."""
+    cluster.interrupt(running())
+    wait(config.interrupt_grace_s)
+    if running():
+        release(running())
+        wait(config.release_grace_s)
+    if running():
+        cluster.interrupt(running())  # a rank released into Python code
+        wait(config.interrupt_grace_s)
+    return running()
+
+
 def release_collectives(cluster, ranks: list[int], token: str) -> None:
     """Ask the ranks' agents to release them from their collectives, for the cell ``token``
     only: through a control file on each rank's host (here, or written there over ssh)."""

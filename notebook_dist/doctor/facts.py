@@ -43,6 +43,11 @@ def where_text(rec_where: Any, cell_file: str | None) -> str:
     return f"line {line}" if filename == cell_file else f"{filename}, line {line}"
 
 
+def thread_of(rec: dict) -> str:
+    """' (in thread 'saver')' for a collective another thread issued, else ''."""
+    return f" (in thread {rec['thread']!r})" if rec.get("thread") else ""
+
+
 def line_of(rec_where: Any) -> int | None:
     return rec_where[1] if rec_where else None
 
@@ -257,6 +262,7 @@ def records(snap: dict) -> list[dict]:
     current = snap.get("collective")
     if current and current.get("kind") != "p2p":
         recs.append(current)
+    recs += [r for r in snap.get("threads") or [] if r.get("kind") != "p2p"]  # other threads'
     return recs
 
 
@@ -322,6 +328,9 @@ class Facts:
             return Wait("p2p", coll["op"], coll, [coll])
         if coll:
             return Wait("collective", coll["op"], coll)
+        others = [r for r in snap.get("threads") or [] if r.get("kind") != "p2p"]
+        if others:  # the cell's thread waits for another (join), which is in a collective
+            return Wait("collective", others[0]["op"], others[0])
         pending = snap.get("p2p_pending") or []
         if pending:
             return Wait("p2p", pending[0]["op"], pending[0], list(pending))
@@ -362,7 +371,7 @@ class Facts:
         w = self.waits[r]
         rec = w.record
         if w.kind == "collective":
-            return f"{rec['op']} #{rec['seq']} at {call_text(rec, self.cell_file)}"
+            return f"{rec['op']} #{rec['seq']} at {call_text(rec, self.cell_file)}{thread_of(rec)}"
         if w.kind == "p2p":
             ops = ", ".join(p2p_text(p) for p in w.p2p[:3])
             return f"{ops} at {self.p2p_where(r)}"
@@ -385,6 +394,19 @@ class Facts:
         posted = call_text(rec, self.cell_file)
         now, _ = stack_line(self.snaps[r].get("stack"), self.cell_file)
         return f"{now} (posted at {posted})" if now not in ("?", posted) else posted
+
+    def waited(self, r: int, rec: dict) -> float:
+        """How long rank r has been in ``rec``: on the rank's clock up to its snapshot, then
+        on the kernel's since the snapshot came (two machines' clocks are never compared)."""
+        snap = self.snaps[r]
+        if "received" in snap and "time" in snap:
+            return max(0.0, snap["time"] - rec["t0"] + self.now - snap["received"])
+        return max(0.0, self.now - rec["t0"])
+
+    def seen_ago(self, r: int, at: float) -> float:
+        """How long before ``at`` (the kernel's clock) rank r's last snapshot came."""
+        snap = self.snaps[r]
+        return max(0.0, at - snap.get("received", snap.get("time", at)))
 
     def stack_at(self, r: int) -> str:
         return stack_line(self.snaps[r].get("stack"), self.cell_file)[0]
@@ -451,19 +473,21 @@ class Facts:
                 w = self.waits[r]
                 rec = w.record
                 if w.kind == "collective":
-                    state = f"in collective #{rec['seq']}" + (
-                        "" if rec["group"] == "default" else f" ({rec['group']})"
+                    state = (
+                        f"in collective #{rec['seq']}"
+                        + ("" if rec["group"] == "default" else f" ({rec['group']})")
+                        + thread_of(rec)
                     )
                     op, shapes = rec["op"], shape_text(rec["shapes"])
                     where = call_text(rec, self.cell_file)
-                    waiting = f"{max(0.0, self.now - rec['t0']):.1f} s"
+                    waiting = f"{self.waited(r, rec):.1f} s"
                 elif w.kind == "p2p":
                     state = "in " + p2p_text(rec)
                     if len(w.p2p) > 1:
                         state += f" (+{len(w.p2p) - 1} more)"
                     op, shapes = rec["op"], shape_text(rec.get("shapes") or [])
                     where = self.p2p_where(r)
-                    waiting = f"{max(0.0, self.now - rec['t0']):.1f} s"
+                    waiting = f"{self.waited(r, rec):.1f} s"
                 elif w.kind in ("internal", "backward"):
                     state = (
                         "in an internal collective"
@@ -483,7 +507,7 @@ class Facts:
                     op = f"{nccl['op']} (NCCL)" if nccl else "kernel"
                     shapes = ", ".join(str(tuple(x)) for x in (nccl or {}).get("sizes") or [])
                     where = self.stack_at(r)
-                    waiting = f"{max(0.0, self.now - rec.get('since', self.now)):.1f} s"
+                    waiting = f"{self.waited(r, {'t0': rec.get('since', self.now)}):.1f} s"
             else:
                 state, where = "running Python", self.stack_at(r)
             rows.append(

@@ -194,7 +194,10 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
         "time": now,
         "cell_state": STATE.cell_state,
         "cell_started": STATE.cell_started,
+        "cell_token": STATE.cell_token,  # which cell: the kernel never compares two clocks
         "collective": dict(current) if current else None,
+        # collectives other threads are in now, each with its thread's name
+        "threads": [dict(r) for r in list(TRACKER.others.values())],
         "history": [dict(r) for r in list(TRACKER.history)[-8:]],
         "collectives_done": TRACKER.count,
         # posted isend/irecv not completed: what a rank waits for in req.wait()

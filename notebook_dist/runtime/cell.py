@@ -99,25 +99,55 @@ def run_cell(
     ``check_collectives`` compares each collective's arguments across ranks first
     (``notebook_dist.runtime.argcheck``).
     """
+    from .recover import CollectiveReleased
+
+    _register_source(filename, source)
+    prof = _begin(token, filename, profile, check_collectives)
+    result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
+    ran = False
+    while True:
+        try:
+            if not ran:
+                ran = True
+                _execute(code, filename, first_line, want_value, result, prof)
+            end_cell(result["status"])
+            break
+        except CollectiveReleased as exc:
+            # a release that landed after the user's code, before the cell ended: the
+            # cell's own outcome stands (the notebook rebuilds the group it released),
+            # unless it landed while that outcome was being written
+            if result["status"] == "error" and "error" not in result:
+                _record_error(exc, filename, result)
+    for stream in (sys.stdout, sys.stderr):
+        _drain_fd(stream)
+        stream.flush()
+    return _reply(result, gather, shm_dir, prof)
+
+
+def _begin(token: str, filename: str, profile: str | None, check: bool):
+    """The rank's state for a new cell; its profiler, started, if it is profiled."""
     import time
 
     from .tracker import TRACKER
 
-    ns = user_namespace()
-    _register_source(filename, source)
-    result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
     prof = None
     if profile:
         from .profiler import CellProfile
 
         prof = CellProfile(align=profile == "aligned")
     TRACKER.reset_cell(keep_all=prof is not None)
-    TRACKER.check = check_collectives
+    TRACKER.check = check
     STATE.reset_cell(time.time(), token, filename)
     STATE.last_error = None  # %dist_debug looks at the last cell only
     STATE.last_exit = None
     if prof is not None:
         prof.__enter__()
+    return prof
+
+
+def _execute(code: str, filename: str, first_line: int, want_value: bool, result: dict, prof):
+    """The user's code, with notebook line numbers; its value or its error into ``result``."""
+    ns = user_namespace()
     try:
         tree = ast.parse(code, filename=filename)
         ast.increment_lineno(tree, first_line - 1)
@@ -133,49 +163,66 @@ def run_cell(
 
         result["exited"] = STATE.last_exit = report(exc, filename)
     except BaseException as exc:  # KeyboardInterrupt included: the engine lives on
-        STATE.last_error = (exc, exc.__traceback__)
-        result["status"] = "error"
-        result["error"] = _error(exc, filename)
-        failed = TRACKER.last
-        in_collective = failed is not None and bool(failed.get("failed"))
-        if in_collective:
-            seq = f" #{failed['seq']}" if "seq" in failed else ""
-            result["error"]["collective"] = f"{failed['op']}{seq}"
-            result["error"]["record"] = dict(failed)
-        from .group import note_failure
-
-        note_failure(exc, in_collective)
-        result.pop("value", None)
-        result["has_value"] = False
+        _record_error(exc, filename, result)
     finally:
         if prof is not None:
             prof.__exit__(None, None, None)
-        STATE.cell_state = result["status"] if result["status"] == "error" else "done"
-        for stream in (sys.stdout, sys.stderr):
-            _drain_fd(stream)
-            stream.flush()
+
+
+def _record_error(exc: BaseException, filename: str, result: dict) -> None:
+    from .group import note_failure
+    from .tracker import TRACKER
+
+    STATE.last_error = (exc, exc.__traceback__)
+    result["status"] = "error"
+    result["error"] = _error(exc, filename)
+    failed = TRACKER.last
+    in_collective = failed is not None and bool(failed.get("failed"))
+    if in_collective:
+        seq = f" #{failed['seq']}" if "seq" in failed else ""
+        result["error"]["collective"] = f"{failed['op']}{seq}"
+        result["error"]["record"] = dict(failed)
+    note_failure(exc, in_collective)
+    result.pop("value", None)
+    result["has_value"] = False
+
+
+def end_cell(status: str) -> None:
+    """The cell is over on this rank: under the lock a release takes, so a release either
+    happened while the cell ran or sees it ended and does nothing; an exception a release
+    had already scheduled for the main thread is cancelled."""
+    from .recover import _GROUP_LOCK, cancel_pending_release
+
+    with _GROUP_LOCK:
+        STATE.cell_state = "error" if status == "error" else "done"
+        cancel_pending_release()
+
+
+def _reply(result: dict, gather: list[str], shm_dir: str | None, prof) -> list:
+    """The packed result: counts, the profile, the final snapshot, the gathered variables;
+    what cannot travel is said exactly."""
+    from .agent import snapshot
+    from .tracker import TRACKER
+
+    ns = user_namespace()
     result["collectives"] = TRACKER.count
     result["group_broken"] = STATE.group_broken
     if prof is not None:
         result["profile"] = prof.collect(list(TRACKER.history))
     result["wait_s"] = TRACKER.wait_s
-    from .agent import snapshot
-
-    final = snapshot(with_stack=False)  # the state at the end, even if the agent never reported
-    result["final"] = final
-    gathered, missing = {}, []
-    for name in gather:
-        if name in ns:
-            gathered[name] = ns[name]
-        else:
-            missing.append(name)
+    result["final"] = snapshot(with_stack=False)  # the state at the end, even if never reported
+    gathered = {name: ns[name] for name in gather if name in ns}
     result["gather"] = gathered
-    result["missing"] = missing
+    result["missing"] = [name for name in gather if name not in ns]
     try:
         return pack(result, shm_dir)
     except Exception:
         pass
-    # find exactly what cannot travel, and say so
+    return pack(_without_unpicklable(result, gathered), shm_dir)
+
+
+def _without_unpicklable(result: dict, gathered: dict) -> dict:
+    """``result`` without what cannot be pickled, each part named in its error."""
     problems = []
     if result.get("has_value"):
         try:
@@ -198,7 +245,7 @@ def run_cell(
             "evalue": msg,
             "traceback": f"TransferError: {msg}\n",
         }
-    return pack(result, shm_dir)
+    return result
 
 
 def run_cell_request(request: tuple) -> list:

@@ -168,12 +168,26 @@ def abort_nccl(timeout_s: float = 5.0) -> int:
 
 
 def raise_in_main_thread(exc_type: type[BaseException]) -> None:
-    """Make the main thread raise ``exc_type`` at its next Python instruction."""
+    """Make the main thread raise ``exc_type`` at its next Python instruction (called
+    under ``_GROUP_LOCK`` while the cell runs; :func:`cancel_pending_release` undoes it if
+    the cell ends first)."""
     import ctypes
-    import threading
 
     ident = threading.main_thread().ident
+    STATE.extras["release_pending"] = True
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+
+
+def cancel_pending_release() -> None:
+    """Withdraw an exception :func:`raise_in_main_thread` scheduled that has not landed yet
+    (main thread, under ``_GROUP_LOCK``, as the cell ends): it must never land in
+    ipykernel's or ipyparallel's code."""
+    if not STATE.extras.pop("release_pending", False):
+        return
+    import ctypes
+
+    ident = threading.main_thread().ident
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
 
 
 def cuda_unusable() -> str | None:
@@ -229,6 +243,9 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 if broken:
                     return {"rank": STATE.rank, "cuda_unusable": broken}
             group.destroy_default_group()
+            from .tracker import forget_groups
+
+            forget_groups()
             os.environ["MASTER_PORT"] = str(master_port)
             remember_preexisting_sockets()
             group.init_default_group(

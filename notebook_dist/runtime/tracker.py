@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -75,15 +76,23 @@ def is_tool_frame(filename: str) -> bool:
 
 
 class Tracker:
-    """What this rank's collectives are doing; read by the agent thread."""
+    """What this rank's collectives are doing; read by the agent thread.
+
+    The cell runs in the main thread: ``current`` and ``last`` are its collectives. One
+    issued from another thread (an asynchronous checkpoint save, a data-loader thread) is
+    tracked too, in ``others`` while it runs (by thread), named with its thread; the nesting
+    guard is per thread, so one thread inside a collective never hides another's."""
 
     def __init__(self) -> None:
         self.seq: dict[str, int] = {}
         self.current: dict[str, Any] | None = None
+        #: thread ident -> the collective another thread is in now
+        self.others: dict[int, dict[str, Any]] = {}
+        self._local = threading.local()
+        self._seq_lock = threading.Lock()
         self.history: deque[dict[str, Any]] = deque(maxlen=32)
         #: posted isend/irecv not yet seen completed: (record, work)
         self.pending: deque[tuple[dict[str, Any], Any]] = deque(maxlen=MAX_PENDING)
-        self.depth = 0
         #: the last collective or blocking point-to-point op that ran (or failed)
         self.last: dict[str, Any] | None = None
         self.wait_s = 0.0  # time spent inside collectives since the cell started
@@ -109,6 +118,20 @@ class Tracker:
         self.count = 0
         self.p2p_count = 0
 
+    @property
+    def depth(self) -> int:
+        """How deep this thread is in tracked calls (a collective built on another)."""
+        return getattr(self._local, "depth", 0)
+
+    @depth.setter
+    def depth(self, value: int) -> None:
+        self._local.depth = value
+
+    def next_seq(self, group: str) -> int:
+        with self._seq_lock:  # threads share a group's numbering, as torch's own does
+            seq = self.seq[group] = self.seq.get(group, 0) + 1
+        return seq
+
     def pending_p2p(self) -> list[dict[str, Any]]:
         """The posted point-to-point ops whose work has not completed (agent thread)."""
         out = []
@@ -123,6 +146,7 @@ class Tracker:
 
 
 TRACKER = Tracker()
+_MAIN_THREAD = threading.main_thread().ident
 _group_names: dict[int, tuple[str, tuple[int, ...] | None]] = {}
 
 
@@ -136,6 +160,12 @@ def _describe(value: Any) -> tuple[list, list]:
         shapes.append([tuple(t.shape) for t in value[:8]])
         dtypes.append(str(value[0].dtype).removeprefix("torch."))
     return shapes, dtypes
+
+
+def forget_groups() -> None:
+    """Forget the names of process groups (keyed by object id): after a rebuild the old
+    groups are gone, and a new object may take an old one's id."""
+    _group_names.clear()
 
 
 def _group(group: Any) -> tuple[str, tuple[int, ...] | None]:
@@ -273,8 +303,7 @@ def _wrap_collective(op: str, fn):
             return fn(*args, **kwargs)
         bound = _bound(fn, args, kwargs)
         group, group_ranks = _group(bound.get("group"))
-        seq = t.seq.get(group, 0) + 1
-        t.seq[group] = seq
+        seq = t.next_seq(group)
         values = list(bound.values())
         shapes, dtypes = _describe(values[0]) if values else ([], [])
         if op in ("all_gather", "all_to_all") and len(values) > 1:
@@ -361,7 +390,13 @@ def _batch(t: Tracker, fn, args: tuple, kwargs: dict):
 
 
 def _run(t: Tracker, rec: dict, fn, args: tuple, kwargs: dict, history: bool, before=None):
-    t.current = rec
+    ident = threading.get_ident()
+    main = ident == _MAIN_THREAD
+    if main:
+        t.current = rec
+    else:
+        rec["thread"] = threading.current_thread().name
+        t.others[ident] = rec
     t.depth = 1
     try:
         if before is not None:
@@ -372,8 +407,11 @@ def _run(t: Tracker, rec: dict, fn, args: tuple, kwargs: dict, history: bool, be
         raise
     finally:
         t.depth = 0
-        t.current = None
-        t.last = rec
+        if main:
+            t.current = None
+            t.last = rec
+        else:
+            t.others.pop(ident, None)
         rec["t1"] = time.time()
         t.wait_s += rec["t1"] - rec["t0"]
         t.count += 1

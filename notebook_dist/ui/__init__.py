@@ -40,12 +40,24 @@ def make_dashboard(mode: str = "auto", quiet_s: float = 0.0):
     return TextDashboard()
 
 
+def show(record) -> None:
+    """Show a record (``html.DashboardRecord``, or a sentence): rich in a notebook whose
+    front end draws widgets, its text elsewhere (a terminal, a script, nbconvert)."""
+    if isinstance(record, str) or not widgets_available():
+        print(record if isinstance(record, str) else repr(record))
+        return
+    from IPython.display import display
+
+    display(record)
+
+
 __all__ = [
     "DashboardFeed",
     "DashboardState",
     "RankRow",
     "build",
     "make_dashboard",
+    "show",
     "widgets_available",
 ]
 

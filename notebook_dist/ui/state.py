@@ -87,41 +87,41 @@ def _state_of(view, hung: bool) -> str:
     return "running"
 
 
-def _verdict(watch) -> str | None:
-    """The final verdict once the cell ended; while it runs, the one shown for a hang."""
-    final = getattr(watch, "final", None)
-    if final is not None:
-        return final.verdict
-    return watch.diagnosis.verdict if watch.shown_verdict and watch.diagnosis else None
-
-
 def build(watch, chart_metric: str = "loss", now: float | None = None) -> DashboardState:
-    """The dashboard state of a running (or finished) cell from its CellWatch."""
+    """The dashboard state of a running (or finished) cell, from its watch's read-only view
+    (``notebook_dist.watch.WatchView``; a CellWatch gives its own)."""
+    view = watch.view() if hasattr(watch, "view") else watch
     now = time.time() if now is None else now
-    cluster = watch.cluster
+    cluster = view.cluster
     st = DashboardState(
         world_size=cluster.world_size,
         backend=cluster.backend,
         devices=[r.device for r in cluster.ranks],
-        ranks=list(watch.ranks),
-        wall_s=now - watch.started,
-        verdict=_verdict(watch),
-        finished=not watch.running(),
+        ranks=view.ranks,
+        wall_s=now - view.started,
+        verdict=view.verdict(),
+        finished=view.finished,
     )
-    hung = bool(watch.shown_verdict) and watch.running()
+    hung = view.hung
+    last_lines = view.last_lines()
     samples_rate = 0.0
     any_samples = False
-    for r in watch.ranks:
-        v = watch.views[r]
+    for r in view.ranks:
+        v = view.views[r]
         snap = v.snap or {}
         row = RankRow(rank=r, state=_state_of(v, hung and v.status == "running"))
-        row.elapsed_s = (snap.get("time", now) if v.status != "running" else now) - watch.started
+        # a rank's own times are on its clock: measured from its cell's start on that clock
+        began = snap.get("cell_started")
+        if v.status != "running" and began and snap.get("time"):
+            row.elapsed_s = snap["time"] - began
+        else:
+            row.elapsed_s = now - view.started
         coll = snap.get("collective")
         if coll and v.status == "running":
             row.collective = (
                 p2p_text(coll) if coll.get("kind") == "p2p" else f"{coll['op']} #{coll['seq']}"
             )
-        row.last_output = watch.streamer.last_line.get(r, "")
+        row.last_output = last_lines.get(r, "")
         row.rss_bytes = snap.get("rss", 0) or 0
         gpu = snap.get("gpu")
         if gpu:
@@ -142,11 +142,12 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
         row.compute_s = max(0.0, row.elapsed_s - row.wait_s)
         reports = snap.get("reports") or 0
         raw = snap.get("metrics") or {}
+        began = began or view.started
         if reports and raw.get("_time"):
-            row.step_time_s = (raw["_time"] - watch.started) / reports
-        if raw.get("_samples_total") and raw.get("_time") and raw["_time"] > watch.started:
+            row.step_time_s = (raw["_time"] - began) / reports
+        if raw.get("_samples_total") and raw.get("_time") and raw["_time"] > began:
             any_samples = True
-            samples_rate += raw["_samples_total"] / (raw["_time"] - watch.started)
+            samples_rate += raw["_samples_total"] / (raw["_time"] - began)
         st.rows[r] = row
     times = [row.step_time_s for row in st.rows.values() if row.step_time_s]
     if len(times) >= 2:

@@ -9,6 +9,7 @@ from ..facts import (
     plural,
     records,
     shape_text,
+    thread_of,
 )
 from .base import Diagnosis, Facts, cap, make, registrar
 
@@ -169,7 +170,7 @@ def divergence(f: Facts) -> Diagnosis | None:
         )
     if kind == "mismatch":
         calls = "; ".join(
-            f"rank {r} called {rec['op']} at {call_text(rec, f.cell_file)}"
+            f"rank {r} called {rec['op']} at {call_text(rec, f.cell_file)}{thread_of(rec)}"
             for r, rec in sorted(present.items())
         )
         base = f"The ranks disagree at collective #{seq}{gname}: {calls}."
@@ -184,7 +185,7 @@ def divergence(f: Facts) -> Diagnosis | None:
         )
         base = (
             f"{cap(plural(list(present)))} called {rec['op']} #{seq}{gname} at "
-            f"{call_text(rec, f.cell_file)}, but {plural(missing)} {never} without calling it."
+            f"{call_text(rec, f.cell_file)}{thread_of(rec)}, but {plural(missing)} {never} without calling it."
         )
     for r, rec in sorted(present.items()):
         line, cond = f.guarded(rec, f.condition)

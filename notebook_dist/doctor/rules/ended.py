@@ -24,8 +24,7 @@ def dead(f: Facts) -> Diagnosis | None:
                 else f" at {info['file']}, line {info['line']}"
             )
         elif f.snaps[r].get("stack"):  # SIGKILL leaves no report: where its agent last saw it
-            found = info.get("found_dead") or f.now
-            age = max(0.0, found - f.snaps[r].get("time", found))
+            age = f.seen_ago(r, info.get("found_dead") or f.now)
             text += f" (last seen at {f.stack_at(r)}, {age:.1f} s before it was found dead)"
         return text
 

@@ -1,0 +1,93 @@
+"""What ``%dist_init`` asks for: checked without starting anything, compared with the
+running cluster's, and made into a :class:`~notebook_dist.DistCluster` (not started).
+
+>>> ClusterRequest(n=2).check()
+>>> ClusterRequest(network=True).check()
+Traceback (most recent call last):
+...
+notebook_dist.errors.PreflightError: --network is for ranks on other hosts: ...
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import PreflightError
+
+
+@dataclass(frozen=True)
+class ClusterRequest:
+    """The options of ``%dist_init``, as the user gave them (None: the default)."""
+
+    n: int | None = None
+    backend: str = "auto"
+    gpus: str | None = None
+    timeout: float | None = None
+    port: int | None = None
+    launcher: str = "local"
+    hosts: str | None = None  # --launcher ssh: "node1:2,me@node2"
+    ssh: str | None = None  # --launcher ssh: options for ssh and scp, one string
+    sbatch: str | None = None  # --launcher slurm: more #SBATCH options
+    profile: str | None = None  # attach: the ipcluster's profile
+    cluster_id: str | None = None  # attach: the ipcluster's cluster id
+    network: bool = False
+    #: not part of what the cluster is: a running cluster takes a new one as it is
+    hang_after: float | None = field(default=None, compare=False)
+
+    @property
+    def attach(self) -> bool:
+        return self.profile is not None or self.cluster_id is not None
+
+    def check(self) -> None:
+        """Refuse, with a sentence, options that cannot go together; starts nothing."""
+        ssh = self.launcher.lower() == "ssh"
+        if self.network and not (self.attach or ssh):
+            raise PreflightError(
+                "--network is for ranks on other hosts: --launcher ssh --hosts ..., or attach "
+                "to a cluster with --profile/--cluster-id (other launchers run on this machine)"
+            )
+        for option, value in (("--hosts", self.hosts), ("--ssh", self.ssh)):
+            if value is not None and not ssh:
+                raise PreflightError(f"{option} is for --launcher ssh")
+        if self.attach and (self.port is not None or self.launcher != "local"):
+            option = "--port" if self.port is not None else "--launcher"
+            raise PreflightError(f"{option} is for clusters %dist_init starts, not attached ones")
+        if self.sbatch is not None and self.launcher != "slurm":
+            raise PreflightError("--sbatch is for --launcher slurm")
+        for option, value in (("--hang-after", self.hang_after), ("--timeout", self.timeout)):
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise PreflightError(f"{option} {value}: give a positive number of seconds")
+
+    def cluster(self):
+        """The cluster this asks for, planned and checked (its preflight errors raised as
+        :class:`PreflightError`), not started. An attached one connects to its ipcluster."""
+        from .config import DistConfig
+
+        self.check()
+        common = dict(n=self.n, backend=self.backend, gpus=self.gpus, timeout=self.timeout)
+        if self.attach:
+            from .cluster.attach import AttachedCluster
+
+            made = AttachedCluster(
+                profile=self.profile, cluster_id=self.cluster_id, network=self.network, **common
+            )
+        else:
+            from .cluster import DistCluster
+
+            config = DistConfig(slurm={"options": self.sbatch} if self.sbatch else {})
+            hosts = None
+            if self.launcher.lower() == "ssh":
+                from .cluster.hosts import parse_hosts, ssh_options
+
+                hosts = parse_hosts(self.hosts or "")
+                options = ssh_options(self.ssh or "")
+                config.ssh = {"ssh_args": options, "scp_args": list(options)}
+                config.loopback_only = not self.network
+            made = DistCluster(
+                port=self.port, launcher=self.launcher, config=config, ssh_hosts=hosts, **common
+            )
+        if self.hang_after is not None:
+            made.config.hang_after_s = self.hang_after
+        made.asked = self
+        return made

@@ -1,0 +1,82 @@
+"""The doctor's input from the kernel's views of the ranks: per rank its status and
+snapshot, and how it ended (its exit, its error and line, where a fatal signal found it).
+
+``before_release`` gives the ranks as they were while they waited: a released rank as it
+was when it was released, a rank whose collective torch's timeout ended as it was in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .progress import RankView
+
+
+def doctor_input(
+    views: dict[int, RankView],
+    cell_file: str,
+    fault_report,
+    before_release: bool = False,
+) -> dict[int, dict[str, Any]]:
+    """``fault_report(rank)``: what the rank's fault file and record say (a dead rank)."""
+    timed = timed_out(views) if before_release else {}
+    out: dict[int, dict[str, Any]] = {}
+    for r, v in views.items():
+        if before_release and v.released:
+            out[r] = {"status": "running", "snap": v.before_release or v.snap}
+            continue
+        if r in timed:  # as it was while it waited, before torch's timeout ended the wait
+            rec = {k: x for k, x in timed[r].items() if k not in ("t1", "failed")}
+            same = (rec.get("group"), rec.get("seq"))
+            history = [
+                h for h in v.snap.get("history") or [] if (h.get("group"), h.get("seq")) != same
+            ]
+            out[r] = {"status": "running", "snap": dict(v.snap, collective=rec, history=history)}
+            continue
+        info: dict[str, Any] = {"status": v.status, "snap": v.snap}
+        if v.status == "dead":
+            info["exit"] = v.exit
+            info["found_dead"] = v.dead_at
+            info.update(fault_report(r))
+        if v.status == "error" and v.result:
+            e = v.result["error"]
+            info["error"] = (
+                e["ename"],
+                e["evalue"],
+                error_line(e.get("traceback", ""), cell_file),
+            )
+        out[r] = info
+    return out
+
+
+def broken(views: dict[int, RankView]) -> dict[int, dict]:
+    """Ranks whose default group broke in this cell: rank -> {"kind", "why"}."""
+    return {
+        r: v.result["group_broken"]
+        for r, v in views.items()
+        if v.result and v.result.get("group_broken")
+    }
+
+
+def timed_out(views: dict[int, RankView]) -> dict[int, dict]:
+    """Ranks whose collective torch's own timeout ended: rank -> that collective's record."""
+    out = {}
+    for r, why in broken(views).items():
+        rec = (views[r].result.get("error") or {}).get("record")
+        if why.get("kind") == "timeout" and rec:
+            out[r] = rec
+    return out
+
+
+def error_line(traceback_text: str, filename: str) -> int | None:
+    """The last line number of ``filename`` in a formatted traceback."""
+    line = None
+    marker = f'File "{filename}", line '
+    for part in traceback_text.splitlines():
+        part = part.strip()
+        if part.startswith(marker):
+            try:
+                line = int(part[len(marker) :].split(",", 1)[0])
+            except ValueError:
+                pass
+    return line

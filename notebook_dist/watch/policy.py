@@ -1,0 +1,51 @@
+"""When to release ranks from their collectives, and when to give up on a cell: a pure
+function of where the cell stands, tested on synthetic timelines (``tests/test_watch.py``).
+
+A rank that raised or died leaves the others waiting in collectives that cannot complete.
+They are released at once when they are inside one, and after ``after_error_s`` without
+progress otherwise (they may be about to enter one). A dead rank's peers are then
+interrupted, and ``abandon_after_s`` later the cell ends without waiting for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Situation:
+    """Where a cell stands at one poll (times are the kernel's monotonic clock)."""
+
+    now: float
+    last_progress: float
+    #: since when some rank has failed while others still run (None: not so)
+    error_since: float | None
+    failed: frozenset[int]  # raised or died
+    dead: frozenset[int]
+    running: frozenset[int]
+    in_collective: frozenset[int]  # running ranks inside a tracked collective
+    released: frozenset[int]
+    interrupted_for_death: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    release: tuple[int, ...] = ()
+    interrupt: tuple[int, ...] = ()  # the peers of a dead rank, once
+    abandon: bool = False  # stop waiting: a rank died and the others do not stop
+
+
+def decide(s: Situation, after_error_s: float, abandon_after_s: float) -> Decision:
+    """What to do now. ``after_error_s``: DistConfig.release_after_error_s;
+    ``abandon_after_s``: DistConfig.abandon_after_death_s."""
+    if not s.failed or not s.running or s.error_since is None:
+        return Decision()
+    stuck = set(s.running) if s.now - s.last_progress >= after_error_s else set(s.in_collective)
+    release = tuple(sorted(stuck - s.released))
+    if not s.dead:
+        return Decision(release=release)
+    waited = s.now - s.error_since
+    interrupt = ()
+    if waited >= after_error_s and not s.interrupted_for_death:
+        interrupt = tuple(sorted(s.running))
+    return Decision(release, interrupt, waited >= after_error_s + abandon_after_s)

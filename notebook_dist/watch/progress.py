@@ -1,0 +1,115 @@
+"""What the kernel knows of each rank during a cell, and when any rank last made progress.
+
+Each poll reads, per rank, the agent's latest snapshot (for this cell only: it carries the
+cell's token, so no two machines' clocks are compared) and whether its reply came, from
+what ipyparallel keeps for the cell's message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..values import unpack
+
+
+@dataclass
+class RankView:
+    """What the kernel knows of one rank during a cell."""
+
+    rank: int
+    status: str = "running"  # running, done, error, dead
+    snap: dict = field(default_factory=dict)
+    result: dict | None = None
+    exit: str | None = None
+    released: bool = False
+    #: its snapshot when it was released (what it waited in): the final verdict reads it
+    before_release: dict | None = None
+    dead_at: float | None = None  # when the kernel found its process gone
+    fingerprint: tuple = ()
+    published: dict | None = None  # the agent's last snapshot, as published
+    running_snap: dict | None = None  # its last snapshot while it ran (once it has ended)
+
+
+def engine_error(exc: BaseException) -> dict[str, str]:
+    """A failure of the rank's own machinery rather than of the cell, as the cell's error.
+    An ipyparallel RemoteError carries the rank's exception and its traceback: a bug of
+    ours, or a torch API this torch lacks, then reads as itself."""
+    ename = getattr(exc, "ename", None) or type(exc).__name__
+    evalue = getattr(exc, "evalue", None) or str(exc)
+    return {
+        "ename": ename,
+        "evalue": evalue,
+        "traceback": getattr(exc, "traceback", None) or f"{ename}: {evalue}",
+    }
+
+
+class Progress:
+    """The ranks' views, updated from ipyparallel's per-message metadata and futures."""
+
+    def __init__(self, ranks: list[int], metadata: list[dict], futures: list, token: str):
+        self.ranks = ranks
+        self.metadata = metadata
+        self.futures = futures
+        self.token = token
+        self.views = {r: RankView(r) for r in ranks}
+        self.last_progress = time.monotonic()
+
+    def running(self) -> list[int]:
+        return [r for r, v in self.views.items() if v.status == "running"]
+
+    def poll(self, dead: dict[int, str]) -> list[int]:
+        """Read every rank once; returns the ranks whose reply came in this poll."""
+        ended = []
+        progressed = False
+        for r, md, fut in zip(self.ranks, self.metadata, self.futures):
+            v = self.views[r]
+            snap = (md.get("data") or {}).get("nd")
+            # this cell's snapshot (by its token: the rank's clock may differ from ours), and
+            # when it came, on our clock: how long a rank has waited never mixes two clocks
+            if v.status == "running" and snap and snap.get("cell_token") == self.token:
+                if snap is not v.published:
+                    v.published = snap
+                    v.snap = dict(snap, received=time.time())
+            if v.status == "running":
+                if r in dead:
+                    v.status, v.exit, v.dead_at = "dead", dead[r], time.time()
+                elif fut.done():
+                    self._take_reply(v, fut)
+                    ended.append(r)
+            fp = fingerprint(v, md)
+            if fp != v.fingerprint:
+                v.fingerprint = fp
+                progressed = True
+        if progressed:
+            self.last_progress = time.monotonic()
+        return ended
+
+    @staticmethod
+    def _take_reply(v: RankView, fut) -> None:
+        try:
+            reply = fut.result()
+            if isinstance(reply, BaseException):  # our rank side failed itself
+                raise reply
+            v.result = unpack(reply)
+            v.status = "error" if v.result["status"] == "error" else "done"
+            v.running_snap = v.snap
+            # the rank's final record, even if it finished before its agent reported
+            v.snap = dict(v.result.get("final") or {}, collective=None, received=time.time())
+        except Exception as exc:  # engine-level failure
+            v.status = "error"
+            v.result = {"status": "error", "error": engine_error(exc)}
+
+
+def fingerprint(v: RankView, md: dict) -> tuple:
+    """What changes when a rank makes progress: a collective done, a new line, output."""
+    return (
+        v.status,
+        v.snap.get("collectives_done"),
+        v.snap.get("p2p_done"),
+        len(v.snap.get("p2p_pending") or ()),
+        (v.snap.get("collective") or {}).get("seq"),
+        tuple((f["file"], f["line"]) for f in v.snap.get("stack", [])[-3:]),
+        v.snap.get("reports"),
+        len(md.get("stdout") or "") + len(md.get("stderr") or ""),
+    )

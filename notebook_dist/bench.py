@@ -13,8 +13,9 @@ import html
 import re
 from dataclasses import dataclass
 
+from .bandwidth import busbw
 from .errors import UsageMistake
-from .profile import BUS_FACTOR, _bytes_text
+from .phrases import size_text as bytes_text
 from .runtime.bench import OPS
 
 UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -76,11 +77,11 @@ class BenchRow:
 
     @property
     def algbw(self) -> float:  # GB/s
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return busbw(self.op, self.bytes, self.seconds, self.world_size)[0]
 
     @property
     def busbw(self) -> float:
-        return self.algbw * BUS_FACTOR[self.op](self.world_size)
+        return busbw(self.op, self.bytes, self.seconds, self.world_size)[1]
 
 
 class BenchResult:
@@ -102,7 +103,7 @@ class BenchResult:
         rows = [
             {
                 "op": r.op,
-                "size": _bytes_text(r.bytes),
+                "size": bytes_text(r.bytes),
                 "time": f"{r.seconds * 1e6:.1f} us",
                 "algbw": f"{r.algbw:.3f} GB/s",
                 "busbw": f"{r.busbw:.3f} GB/s",

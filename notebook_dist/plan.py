@@ -121,10 +121,6 @@ def plan_cluster(
     ``run_id`` is the ranks' TORCHELASTIC_RUN_ID (default: a fresh one, as torchrun's).
     Raises :class:`PreflightError` with a sentence to act on when the request cannot work.
     """
-    if run_id is None:
-        import uuid
-
-        run_id = f"notebook_dist-{uuid.uuid4().hex[:12]}"
     backend = (backend or "auto").lower()
     if backend not in BACKENDS:
         raise PreflightError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
@@ -133,24 +129,81 @@ def plan_cluster(
         hidden = check_cuda_visible_devices()
         notes += [hidden] if hidden else []
         gpu_ids = visible_gpus()
+    use = chosen_gpus(gpus, gpu_ids, n)
+    check_rank_count(n, hosts)
+    world_size = (len(use) if use else DEFAULT_CPU_RANKS) if n is None else n
+    hosts = hosts or ["localhost"] * world_size
+    if len(hosts) != world_size:
+        raise PreflightError(f"{len(hosts)} hosts given for {world_size} ranks")
+    local = assign_local_ranks(hosts)
+    chosen_backend, devices, cvd, said = place_on_devices(use, local, backend)
+    run_id = run_id or new_run_id()
+    ranks = []
+    for rank, (device, (local_rank, local_world_size, group_rank)) in enumerate(
+        zip(devices, local)
+    ):
+        env = torchrun_env(rank, world_size, local_rank, local_world_size, group_rank)
+        env.update(
+            GROUP_WORLD_SIZE=str(len(set(hosts))),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            TORCHELASTIC_RUN_ID=run_id,
+        )
+        if device == "cpu":  # CPU ranks: Accelerate and Transformers use them as `--cpu`
+            env["ACCELERATE_USE_CPU"] = "true"
+        if cvd is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cvd
+        ranks.append(RankPlan(rank=rank, local_rank=local_rank, device=device, env=env))
+    return ClusterPlan(world_size, chosen_backend, tuple(ranks), cvd, tuple(notes + said))
+
+
+def new_run_id() -> str:
+    import uuid
+
+    return f"notebook_dist-{uuid.uuid4().hex[:12]}"
+
+
+def torchrun_env(
+    rank: int, world_size: int, local_rank: int, local_world_size: int, group_rank: int
+) -> dict[str, str]:
+    """The variables torchrun gives a worker (its rendezvous ones, MASTER_ADDR, MASTER_PORT,
+    GROUP_WORLD_SIZE and TORCHELASTIC_RUN_ID, are the cluster's to add)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(group_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
+def chosen_gpus(gpus, gpu_ids: list[str], n: int | None) -> list[str]:
+    """The GPUs the ranks use: ``--gpus`` (indices into ``gpu_ids``), or all of them."""
     chosen = parse_gpu_list(gpus)
-    if chosen is not None:
-        if not gpu_ids:
-            raise PreflightError(f"--gpus {gpus!r} asked, but no GPU is visible to this notebook")
-        bad = [g for g in chosen if g < 0 or g >= len(gpu_ids)]
-        if bad:
-            raise PreflightError(
-                f"--gpus names GPU {bad[0]}, but only {len(gpu_ids)} GPU(s) are visible "
-                f"(indices 0-{len(gpu_ids) - 1})"
-            )
-        if n is not None and n != len(chosen):
-            raise PreflightError(
-                f"-n {n} asks for {n} ranks but --gpus lists {len(chosen)} GPUs; "
-                "give one of them, or make them agree"
-            )
-        use = [gpu_ids[g] for g in chosen]
-    else:
-        use = list(gpu_ids)
+    if chosen is None:
+        return list(gpu_ids)
+    if not gpu_ids:
+        raise PreflightError(f"--gpus {gpus!r} asked, but no GPU is visible to this notebook")
+    bad = [g for g in chosen if g < 0 or g >= len(gpu_ids)]
+    if bad:
+        raise PreflightError(
+            f"--gpus names GPU {bad[0]}, but only {len(gpu_ids)} GPU(s) are visible "
+            f"(indices 0-{len(gpu_ids) - 1})"
+        )
+    if n is not None and n != len(chosen):
+        raise PreflightError(
+            f"-n {n} asks for {n} ranks but --gpus lists {len(chosen)} GPUs; "
+            "give one of them, or make them agree"
+        )
+    return [gpu_ids[g] for g in chosen]
+
+
+def check_rank_count(n: int | None, hosts: list[str] | None) -> None:
     if n is not None and n < 1:
         raise PreflightError(f"-n {n}: a cluster needs at least one rank")
     if n is not None and hosts is None and n > max_local_ranks():
@@ -158,74 +211,38 @@ def plan_cluster(
             f"-n {n}: more ranks than this machine can run ({os.cpu_count()} CPU cores; "
             f"at most {max_local_ranks()} ranks on one machine)"
         )
-    world_size = (len(use) if use else DEFAULT_CPU_RANKS) if n is None else n
-    hosts = hosts or ["localhost"] * world_size
-    if len(hosts) != world_size:
-        raise PreflightError(f"{len(hosts)} hosts given for {world_size} ranks")
-    local = assign_local_ranks(hosts)
-    per_host = max(lws for _, lws, _ in local)  # GPUs are per host
+
+
+def place_on_devices(
+    use: list[str], local: list[tuple[int, int, int]], backend: str
+) -> tuple[str, list[str], str | None, list[str]]:
+    """(backend, each rank's device, CUDA_VISIBLE_DEVICES, notes): NCCL with one GPU per
+    rank, Gloo when ranks share GPUs or there are none."""
+    world_size = len(local)
     if not use:
         if backend == "nccl":
             raise PreflightError(
                 "NCCL needs one GPU per rank, and no GPU is visible to this notebook. "
                 "Use --backend gloo (the default without GPUs)."
             )
-        chosen_backend = "gloo"
-        devices = ["cpu"] * world_size
-        cvd = None
-    else:
-        if per_host > len(use):
-            if backend == "nccl":
-                raise PreflightError(
-                    f"NCCL needs one GPU per rank: {per_host} ranks asked on one host, {len(use)} GPU(s) "
-                    f"available. Use -n {len(use)}, or --backend gloo to let ranks share GPUs."
-                )
-            chosen_backend = "gloo"
-            notes.append(
-                f"{per_host} ranks share {len(use)} GPU(s), so the backend is Gloo "
-                "(NCCL refuses two ranks on one GPU)."
+        return "gloo", ["cpu"] * world_size, None, []
+    per_host = max(lws for _, lws, _ in local)  # GPUs are per host
+    notes = []
+    if per_host > len(use):
+        if backend == "nccl":
+            raise PreflightError(
+                f"NCCL needs one GPU per rank: {per_host} ranks asked on one host, {len(use)} GPU(s) "
+                f"available. Use -n {len(use)}, or --backend gloo to let ranks share GPUs."
             )
-        else:
-            chosen_backend = "nccl" if backend in ("auto", "nccl") else "gloo"
-        devices = [f"cuda:{lr % len(use)}" for lr, _, _ in local]
-        cvd = ",".join(use[: min(per_host, len(use))])
-    num_nodes = len(set(hosts))
-    ranks = []
-    for rank, (device, (local_rank, local_world_size, group_rank)) in enumerate(
-        zip(devices, local)
-    ):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(local_world_size),
-            "GROUP_RANK": str(group_rank),
-            "GROUP_WORLD_SIZE": str(num_nodes),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(world_size),
-            "ROLE_NAME": "default",
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
-            "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0",
-            # what frameworks read to know they run under torchrun and start no processes
-            # of their own (dist.is_torchelastic_launched(), Lightning's TorchElasticEnvironment)
-            "TORCHELASTIC_RUN_ID": run_id,
-        }
-        if (
-            device == "cpu"
-        ):  # CPU ranks: Accelerate and Transformers use them as `accelerate launch --cpu`
-            env["ACCELERATE_USE_CPU"] = "true"
-        if cvd is not None:
-            env["CUDA_VISIBLE_DEVICES"] = cvd
-        ranks.append(RankPlan(rank=rank, local_rank=local_rank, device=device, env=env))
-    return ClusterPlan(
-        world_size=world_size,
-        backend=chosen_backend,
-        ranks=tuple(ranks),
-        cuda_visible_devices=cvd,
-        notes=tuple(notes),
-    )
+        chosen = "gloo"
+        notes.append(
+            f"{per_host} ranks share {len(use)} GPU(s), so the backend is Gloo "
+            "(NCCL refuses two ranks on one GPU)."
+        )
+    else:
+        chosen = "nccl" if backend in ("auto", "nccl") else "gloo"
+    devices = [f"cuda:{lr % len(use)}" for lr, _, _ in local]
+    return chosen, devices, ",".join(use[: min(per_host, len(use))]), notes
 
 
 def rank_order(probes: dict[int, dict]) -> list[int]:

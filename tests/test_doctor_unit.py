@@ -2,8 +2,8 @@
 
 import pytest
 
-from notebook_dist.doctor import diagnose, format_stacks, rank_condition
-from notebook_dist.doctor.facts import rank_loop
+from notebook_dist.doctor import RankReport, diagnose, format_stacks, rank_condition
+from notebook_dist.doctor.source import rank_loop
 
 CELL = "Cell In[4]"
 NOW = 1000.0
@@ -36,14 +36,17 @@ def rec(
 
 
 def running(current=None, history=(), stack=None):
-    return {
-        "status": "running",
-        "snap": {"collective": current, "history": list(history), "stack": stack or []},
-    }
+    return RankReport(
+        "running", {"collective": current, "history": list(history), "stack": stack or []}
+    )
 
 
 def done(history=()):
-    return {"status": "done", "snap": {"collective": None, "history": list(history), "stack": []}}
+    return RankReport("done", {"collective": None, "history": list(history), "stack": []})
+
+
+def raised(ename="ValueError", evalue="x", line=None):
+    return RankReport("error", {}, error=(ename, evalue, line))
 
 
 def frame(line, func="<module>", file=CELL):
@@ -122,7 +125,7 @@ def test_two_process_groups_are_compared_separately():
 def test_raised_while_others_wait():
     ranks = {
         0: running(rec(2, "all_reduce", 6)),
-        1: {"status": "error", "snap": {}, "error": ("ValueError", "bad", 4)},
+        1: raised("ValueError", "bad", 4),
         2: running(rec(2, "all_reduce", 6)),
     }
     d = diagnose(ranks, now=NOW, cell_file=CELL)
@@ -136,14 +139,12 @@ def test_raised_while_others_wait():
 def test_dead_rank_with_signal_and_line():
     ranks = {
         0: running(rec(1, "all_reduce", 3)),
-        1: {
-            "status": "dead",
-            "snap": {},
-            "exit": "was killed by SIGABRT",
-            "op": "all_reduce",
-            "line": 3,
-            "file": CELL,
-        },
+        1: RankReport(
+            "dead",
+            {},
+            "was killed by SIGABRT",
+            fault={"op": "all_reduce", "line": 3, "file": CELL},
+        ),
     }
     d = diagnose(ranks, now=NOW, cell_file=CELL)
     assert d.kind == "dead" and d.culprits == [1] and d.line == 3
@@ -225,7 +226,7 @@ def test_text_rendering_and_stacks():
     lines = d.text().splitlines()
     assert lines[0].split() == ["rank", "state", "op", "shapes", "where", "waiting"]
     assert lines[-1].startswith("Diagnosis: The ranks disagree at collective #1")
-    text = format_stacks({r: v["snap"] for r, v in ranks.items()}, CELL)
+    text = format_stacks({r: v.snap for r, v in ranks.items()}, CELL)
     assert text.splitlines()[:2] == ["rank 0: in broadcast #1", "  line 4, in <module>"]
 
 
@@ -272,7 +273,7 @@ def test_posted_irecvs_that_are_never_matched_deadlock_at_the_wait():
     # both post an irecv, then wait on it: the stack says where they wait
     def waiting_on_irecv(peer):
         snap = running(None, stack=[frame(6)])
-        snap["snap"]["p2p_pending"] = [p2p("irecv", peer, 4)]
+        snap.snap["p2p_pending"] = [p2p("irecv", peer, 4)]
         return snap
 
     d = diagnose({0: waiting_on_irecv(1), 1: waiting_on_irecv(0)}, now=NOW, cell_file=CELL)
@@ -334,7 +335,7 @@ def test_a_receive_from_a_rank_that_went_into_a_collective():
 
 
 def test_a_receive_from_a_rank_that_raised_is_the_raise():
-    ranks = {0: {"status": "error", "snap": {}, "error": ("ValueError", "x", 3)}}
+    ranks = {0: raised("ValueError", "x", 3)}
     ranks[1] = running(p2p("recv", 0, 4))
     d = diagnose(ranks, now=NOW, cell_file=CELL)
     assert d.kind == "raised" and d.culprits == [0]
@@ -352,8 +353,8 @@ SOURCE_LIB = (
 
 def in_library(op="all_gather", func="full_tensor", line=8, file=LIB):
     snap = running(None, stack=[frame(line), frame(350, func, file), frame(90, "wait", file)])
-    snap["snap"]["internal"] = {"op": op, "seq": 3, "sizes": [[4, 4]], "group": "default"}
-    snap["snap"]["stack"][0]["code"] = "full = w.full_tensor()"
+    snap.snap["internal"] = {"op": op, "seq": 3, "sizes": [[4, 4]], "group": "default"}
+    snap.snap["stack"][0]["code"] = "full = w.full_tensor()"
     return snap
 
 
@@ -437,7 +438,7 @@ def test_python_inside_torch_distributed_is_still_python():
 
 def on_gpu(nccl=None, line=5):
     snap = running(None, stack=[frame(line)])
-    snap["snap"]["gpu_wait"] = {"nccl": nccl, "since": 995.0}
+    snap.snap["gpu_wait"] = {"nccl": nccl, "since": 995.0}
     return snap
 
 
@@ -456,8 +457,8 @@ def test_nccl_conditional_collective_reads_as_on_gloo():
     a = dict(rec(1, "all_reduce", 5), t1=991.0)
     nccl = {"op": "broadcast", "seq": 1, "sizes": [[4]]}
     ranks = {0: on_gpu(nccl, line=6), 1: on_gpu(dict(nccl, op="all_reduce"), line=6)}
-    ranks[0]["snap"]["history"] = [b]
-    ranks[1]["snap"]["history"] = [a]
+    ranks[0].snap["history"] = [b]
+    ranks[1].snap["history"] = [a]
     d = diagnose(ranks, now=NOW, cell_file=CELL, source=SOURCE)
     assert d.kind == "conditional" and d.culprits == [0] and d.line == 4
     assert "Line 4 is inside `if dist.get_rank() == 0:` (line 3)" in d.verdict
@@ -511,7 +512,7 @@ def snapshots(draw):
         elif kind == "pending":
             ranks[r] = running(None, stack=[frame(line)])
             op = draw(st.sampled_from(["isend", "irecv"]))
-            ranks[r]["snap"]["p2p_pending"] = [p2p(op, to if op == "isend" else peer, line)]
+            ranks[r].snap["p2p_pending"] = [p2p(op, to if op == "isend" else peer, line)]
         elif kind == "internal":
             ranks[r] = in_library(op=op, line=line)
         elif kind == "blind":  # the same, seen in the stack alone
@@ -523,7 +524,7 @@ def snapshots(draw):
         elif kind == "gpu":
             ranks[r] = on_gpu(draw(st.sampled_from([None, {"op": op, "seq": seq}])), line)
         elif kind == "error":
-            ranks[r] = {"status": "error", "snap": {}, "error": ("ValueError", "x", line)}
+            ranks[r] = raised("ValueError", "x", line)
         else:
             ranks[r] = done([rec(s, op, line) for s in range(1, seq)])
     return ranks
@@ -548,7 +549,7 @@ def test_a_verdict_never_contradicts_its_table(ranks, source):
     if any(s.startswith(("in send", "in recv", "in isend", "in irecv")) for s in states):
         assert "network" not in d.verdict, (states, d.verdict)
     if "with matching arguments" in d.verdict:  # said only when every compared one matches
-        recs = [v["snap"]["collective"] for v in ranks.values()]
+        recs = [v.snap["collective"] for v in ranks.values()]
         agree = {
             repr({k: v for k, v in (x.get("args") or {}).items() if k != "async_op"}) for x in recs
         }

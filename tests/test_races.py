@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from conftest import until_verdict
+from conftest import until_verdict, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -92,10 +92,15 @@ def test_a_collective_stuck_in_another_thread_is_named_with_its_thread(live):
         "th = threading.Thread(target=saver, name='saver')\n"
         "if nd.rank == 0:\n    th.start()\n    th.join()\n"
     )
-    diag, _, _, _ = until_verdict(live, code, 3.0, give_up_s=30)
-    assert diag is not None
-    assert diag.rows[0]["state"] == "in collective #1 (in thread 'saver')", diag.rows
-    assert "(in thread 'saver')" in diag.verdict, diag.verdict
+    try:
+        diag, _, _, _ = until_verdict(live, code, 3.0, give_up_s=30)
+        assert diag is not None
+        assert diag.rows[0]["state"] == "in collective #1 (in thread 'saver')", diag.rows
+        assert "(in thread 'saver')" in diag.verdict, diag.verdict
+    finally:  # Ctrl-C ended the cell's thread (in join); the saver still waits: join it
+        live.run("dist.all_reduce(torch.ones(2))", ranks=[1]).raise_for_errors()
+    waiting = "from notebook_dist.runtime.tracker import TRACKER\nlen(TRACKER.others)"
+    assert wait_until(lambda: live.run(waiting).values[0] == 0, 10)
 
 
 def test_the_ranks_environment_is_complete_when_its_engine_starts(live):

@@ -25,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, TextIO
+from typing import Any
 
 from ..config import DistConfig
 from ..errors import ClusterError, PreflightError
-from ..execute import CellResult, PreparedCell
+from ..execute import PreparedCell
 from ..plan import ClusterPlan, plan_cluster, plan_on_engines
 from ..ranks import parse_ranks
 from ..values import RankValues, shm_dir_for
@@ -48,6 +48,33 @@ from .processes import (
 from .ranks import RankInfo
 
 __all__ = ["DistCluster", "RankInfo", "free_port"]
+
+
+def _request(n, backend, gpus, port, launcher, config: DistConfig) -> dict[str, Any]:
+    """What a restart asks for again: the same cluster."""
+    ssh = getattr(launcher, "hosts", {})
+    return {
+        "n": n,
+        "backend": (backend or "auto").lower(),
+        "gpus": gpus,
+        "timeout": config.timeout_s,
+        "port": port,
+        "launcher": launcher.name,
+        "slurm": dict(config.slurm),
+        "ssh": (dict(ssh), repr(config.ssh)),
+    }
+
+
+def _first_plan(launcher, config: DistConfig, n, backend, gpus, placement) -> ClusterPlan:
+    """The layout, decided before anything starts: for engines that already run, from their
+    probes; over ssh, provisional (the hosts' GPUs are known once their engines run)."""
+    ssh = getattr(launcher, "hosts", {})
+    if placement is not None:
+        return plan_on_engines(*placement, config.loopback_only, n, backend, gpus)
+    if ssh:
+        hosts = [h for h, count in ssh.items() for _ in range(count)]
+        return plan_cluster(len(hosts), "gloo", None, gpu_ids=[], hosts=hosts)
+    return plan_cluster(n, backend, gpus)
 
 
 class DistCluster:
@@ -81,26 +108,10 @@ class DistCluster:
             if not math.isfinite(timeout) or timeout <= 0:
                 raise PreflightError(f"--timeout {timeout}: give a positive number of seconds")
             self.config.timeout_s = float(timeout)
-        ssh = getattr(self.launcher, "hosts", {})
-        self.request = {
-            "n": n,
-            "backend": (backend or "auto").lower(),
-            "gpus": gpus,
-            "timeout": self.config.timeout_s,
-            "port": port,
-            "launcher": self.launcher.name,
-            "slurm": dict(self.config.slurm),
-            "ssh": (dict(ssh), repr(self.config.ssh)),
-        }
-        if placement is not None:
-            self.plan: ClusterPlan = plan_on_engines(
-                *placement, self.config.loopback_only, n, backend, gpus
-            )
-        elif ssh:  # provisional: the hosts' GPUs are known once their engines run
-            hosts = [h for h, count in ssh.items() for _ in range(count)]
-            self.plan = plan_cluster(len(hosts), "gloo", None, gpu_ids=[], hosts=hosts)
-        else:
-            self.plan = plan_cluster(n, backend, gpus)
+        self.request = _request(n, backend, gpus, port, self.launcher, self.config)
+        self.plan: ClusterPlan = _first_plan(
+            self.launcher, self.config, n, backend, gpus, placement
+        )
         self.port = port  # the rendezvous port (MASTER_PORT); None: the OS picks one
         if not self.launcher.remote:  # (a remote port and Python are the hosts' to check)
             if port is not None:
@@ -120,6 +131,8 @@ class DistCluster:
         self.group_lost: str | None = None
         #: what shutdown() stopped, in a sentence
         self.stop_note = ""
+        #: the %dist_init request it was made from (notebook_dist.request), if any
+        self.asked = None
 
     def _processes(self) -> Processes:
         return Processes(self.config, self.launcher)
@@ -226,74 +239,14 @@ class DistCluster:
         dead = self.dead_ranks() if self.running else {}
         return ended_message(dead, self.world_size) if dead else ""
 
-    # ---- running on the ranks (cells.py) --------------------------------------------------
+    # ---- running on the ranks (cells.py): each is that module's function, self first ----
 
-    def run(
-        self,
-        cell: str | PreparedCell,
-        ranks: Any = None,
-        gather: list[str] | tuple[str, ...] = (),
-        *,
-        filename: str = "<cell>",
-        header: str | None = None,
-        out: TextIO | None = None,
-        err: TextIO | None = None,
-        hang_after: float | None = None,
-        on_update=None,
-        on_hang: str = "show",
-        profile: bool = False,
-        check_collectives: bool | None = None,
-    ) -> CellResult:
-        """Run a cell on the selected ranks at once, streaming their output live.
-
-        Returns a :class:`~notebook_dist.execute.CellResult`; call ``raise_for_errors()`` to
-        raise :class:`~notebook_dist.errors.RankError` if any rank raised. A syntax error raises before any rank runs.
-        While it runs, a hang longer than ``hang_after`` seconds prints a diagnosis, and a
-        rank that raises or dies while others wait in a collective gets them released.
-        ``profile``: run it under torch.profiler on every rank; ``result.profile`` is then
-        a :class:`notebook_dist.profile.Profile` (where the time went, across ranks).
-        ``check_collectives`` (default ``DistConfig.check_collectives``): compare every
-        collective's arguments across ranks before it runs, so a mismatch is an error on
-        every rank instead of a hang, an abort or wrong numbers.
-        """
-        return cells.run(
-            self,
-            cell,
-            ranks,
-            gather,
-            filename=filename,
-            header=header,
-            out=out,
-            err=err,
-            hang_after=hang_after,
-            on_update=on_update,
-            on_hang=on_hang,
-            profile=profile,
-            check_collectives=check_collectives,
-        )
-
-    def apply(
-        self, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs
-    ) -> RankValues:
-        """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns."""
-        return cells.apply(self, func, *args, ranks=ranks, timeout=timeout, **kwargs)
-
-    def push(self, values: dict[str, Any], ranks: Any = None) -> None:
-        """Bind ``values`` (name -> object) in every selected rank's namespace."""
-        cells.push(self, values, ranks)
-
-    def pull(self, names: list[str] | str, ranks: Any = None) -> dict[str, RankValues]:
-        """Fetch variables from the selected ranks: name -> RankValues."""
-        return cells.pull(self, names, ranks)
-
-    def status(self) -> list[dict[str, Any]]:
-        """One dict per rank: rank, engine_id, host, pid, device, backend, state,
-        process_group, gpu."""
-        return cells.status(self)
-
-    def clock_offsets(self, ranks: list[int], samples: int = 3) -> dict[int, int]:
-        """Each rank's clock minus the kernel's, in ns."""
-        return cells.clock_offsets(self, ranks, samples)
+    run = cells.run
+    apply = cells.apply
+    push = cells.push
+    pull = cells.pull
+    status = cells.status
+    clock_offsets = cells.clock_offsets
 
     # ---- inspection (notebook_dist.inspect) ---------------------------------------------
 
@@ -315,33 +268,15 @@ class DistCluster:
 
         return debug(self, rank, expr, frame)
 
-    # ---- recovery (recovery.py) -----------------------------------------------------------
+    # ---- recovery (recovery.py), likewise ----------------------------------------------
 
-    def interrupt(self, ranks: Any = None) -> None:
-        """Send SIGINT to the selected ranks (like the notebook's stop button)."""
-        recovery.interrupt(self, ranks)
-
-    def release_collectives(self, ranks: list[int], token: str) -> None:
-        """Release the ranks from collectives that cannot complete, for the cell ``token``."""
-        recovery.release_collectives(self, ranks, token)
-
-    def rebuild_process_group(self) -> float:
-        """A fresh default process group on every rank (after a release); returns seconds."""
-        return recovery.rebuild_process_group(self)
-
-    def fault_report(self, rank: int) -> dict[str, Any]:
-        """Where a rank that died of a fatal signal was: its cell line and collective, if known."""
-        return recovery.fault_report(self, rank)
-
-    def restarted(self) -> DistCluster:
-        """Stop this cluster and return a fresh one with the same request (and history)."""
-        return recovery.restarted(self)
-
-    def replay(
-        self, cells_: list[PreparedCell], out: TextIO | None = None, err: TextIO | None = None
-    ) -> int:
-        """Re-run recorded cells in order; stops at (and raises) the first failure."""
-        return recovery.replay(self, cells_, out, err)
+    interrupt = recovery.interrupt
+    stop_ranks = recovery.stop_ranks
+    release_collectives = recovery.release_collectives
+    rebuild_process_group = recovery.rebuild_process_group
+    fault_report = recovery.fault_report
+    restarted = recovery.restarted
+    replay = recovery.replay
 
     # ---- display ----------------------------------------------------------------------------
 

@@ -46,7 +46,18 @@ def run(
     profile: bool = False,
     check_collectives: bool | None = None,
 ) -> CellResult:
-    """:meth:`DistCluster.run`."""
+    """Run a cell on the selected ranks at once, streaming their output live.
+
+    Returns a :class:`~notebook_dist.execute.CellResult`; call ``raise_for_errors()`` to
+    raise :class:`~notebook_dist.errors.RankError` if any rank raised. A syntax error raises
+    before any rank runs. While it runs, a hang longer than ``hang_after`` seconds prints a
+    diagnosis, and a rank that raises or dies while others wait in a collective gets them
+    released. ``profile``: run it under torch.profiler on every rank; ``result.profile`` is
+    then a :class:`notebook_dist.profile.Profile` (where the time went, across ranks).
+    ``check_collectives`` (default ``DistConfig.check_collectives``): compare every
+    collective's arguments across ranks before it runs, so a mismatch is an error on every
+    rank instead of a hang, an abort or wrong numbers.
+    """
     check_options(hang_after, on_hang)
     cluster.require_running()
     selected = cluster.select(ranks)
@@ -95,34 +106,48 @@ def run(
     if any(v.status == "dead" for v in watch.views.values()):
         raise ClusterError((watch.final or watch.diagnose()).verdict)
     results = [watch.views[r].result for r in selected]
-    result = collect(selected, results, gather)
-    for r in watch.released:
-        # a released rank's error is a consequence, not a cause: the cause is shown
-        if r in result.errors and len(result.errors) > 1:
-            del result.errors[r]
-    result.released = sorted(watch.released)
+    result = _collected(watch, selected, results, gather, out)
     result.elapsed_s = time.perf_counter() - t0
-    if result.exits:
-        stream = out or sys.stdout
-        stream.write(result.exit_note() + "\n")
-        stream.flush()
     if profile:
-        from ..profile import analyze
-
-        profiles = {
-            r: res["profile"] for r, res in zip(selected, results) if res and res.get("profile")
-        }
-        if profiles:
-            result.profile = analyze(profiles, offsets, prepared.filename)
+        result.profile = _profile_of(selected, results, offsets, prepared.filename)
     if not result.errors and not watch.released and len(selected) == cluster.world_size:
         cluster.history.append(prepared)
     return result
 
 
+def _collected(watch, selected: list[int], results: list, gather: list[str], out) -> CellResult:
+    """The ranks' results as one CellResult; a released rank's error is a consequence, not
+    a cause, and is left out when the cause is shown; the note of ranks that exit()ed."""
+    result = collect(selected, results, gather)
+    for r in watch.released:
+        if r in result.errors and len(result.errors) > 1:
+            del result.errors[r]
+    result.released = sorted(watch.released)
+    if result.exits:
+        stream = out or sys.stdout
+        stream.write(result.exit_note() + "\n")
+        stream.flush()
+    return result
+
+
+def _profile_of(selected: list[int], results: list, offsets: dict, cell_file: str):
+    """Where the time went (notebook_dist.profile), its merged trace written, or None."""
+    from ..profile import analyze
+
+    profiles = {
+        r: res["profile"] for r, res in zip(selected, results) if res and res.get("profile")
+    }
+    if not profiles:
+        return None
+    profile = analyze(profiles, offsets, cell_file)
+    profile.save_trace()
+    return profile
+
+
 def apply(
     cluster, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs
 ) -> RankValues:
-    """:meth:`DistCluster.apply`."""
+    """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns."""
     cluster.require_running()
     selected = cluster.select(ranks)
     cluster.processes.check_alive(selected)
@@ -137,7 +162,7 @@ def apply(
 
 
 def push(cluster, values: dict[str, Any], ranks: Any = None) -> None:
-    """:meth:`DistCluster.push`."""
+    """Bind ``values`` (name -> object) in every selected rank's namespace."""
     cluster.require_running()
     for name in values:
         if not name.isidentifier():
@@ -155,7 +180,7 @@ def push(cluster, values: dict[str, Any], ranks: Any = None) -> None:
 
 
 def pull(cluster, names: list[str] | str, ranks: Any = None) -> dict[str, RankValues]:
-    """:meth:`DistCluster.pull`."""
+    """Fetch variables from the selected ranks: name -> RankValues."""
     if isinstance(names, str):
         names = [names]
     results = apply(cluster, rt_cell.pull_values, list(names), cluster.shm_dir, ranks=ranks)
@@ -205,8 +230,9 @@ def clock_offsets(cluster, ranks: list[int], samples: int = 3) -> dict[int, int]
 
 
 def status(cluster) -> list[dict[str, Any]]:
-    """:meth:`DistCluster.status`."""
-    from ..ui.text import fmt_bytes
+    """One dict per rank: rank, engine_id, host, pid, device, backend, state,
+    process_group, gpu."""
+    from ..phrases import memory_text as fmt_bytes
 
     rows = []
     running = cluster.running

@@ -60,39 +60,11 @@ class Processes:
     def start(self, n: int) -> list[dict] | None:
         """The controller, then ``n`` engines, until all registered. Returns the engines'
         probes in rank order when the launcher orders ranks by them, else None."""
-        import ipyparallel as ipp
-        from traitlets.config import Config
-
         self.profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
         self.reaper = Reaper()
         self.reaper.remove_on_exit(self.profile_dir)
         launcher = self.launcher
-        cfg = Config()
-        section = getattr(cfg, launcher.ipp_class.__name__)
-        for key, value in launcher.settings(self.profile_dir).items():
-            setattr(section, key, value)
-        section.engine_cmd = launcher.engine_cmd()
-        # the ranks' whole environment is in place when the process starts, before the
-        # thread that imports torch meanwhile (runtime/engine.py) can read any of it
-        section.environment = {
-            **self.config.launch_env(),
-            **self.config.rank_overrides(),
-            **launcher.environment(),
-        }
-        self.ipp = cluster = ipp.Cluster(
-            n=n,
-            profile_dir=self.profile_dir,
-            controller_ip=launcher.controller_ip(),
-            engine_launcher_class=launcher.ipp_class,
-            controller_args=[f"--HeartMonitor.period={int(self.config.heartbeat_ms)}"],
-            delay=0.0,
-            send_engines_connection_env=False,  # engines start with the controller and wait for its file
-            log=log,
-            load_profile=False,
-            engine_timeout=int(self.config.start_timeout_s),
-            config=cfg,
-            parent=None,
-        )
+        self.ipp = cluster = ipp_cluster(self.config, launcher, self.profile_dir, n)
         cluster.start_controller_sync()
         controller = self._record(cluster.controller, "controller")
         if controller is not None:
@@ -322,6 +294,39 @@ def stop_note(world_size: int, dead: dict[int, str], controller_gone: bool = Fal
         else:
             said += f"; {what} before"
     return said
+
+
+def ipp_cluster(config: DistConfig, launcher: Launcher, profile_dir: str, n: int):
+    """ipyparallel's Cluster for ``n`` engines of ``launcher``, in ``profile_dir``."""
+    import ipyparallel as ipp
+    from traitlets.config import Config
+
+    cfg = Config()
+    section = getattr(cfg, launcher.ipp_class.__name__)
+    for key, value in launcher.settings(profile_dir).items():
+        setattr(section, key, value)
+    section.engine_cmd = launcher.engine_cmd()
+    # the ranks' whole environment is in place when the process starts, before the
+    # thread that imports torch meanwhile (runtime/engine.py) can read any of it
+    section.environment = {
+        **config.launch_env(),
+        **config.rank_overrides(),
+        **launcher.environment(),
+    }
+    return ipp.Cluster(
+        n=n,
+        profile_dir=profile_dir,
+        controller_ip=launcher.controller_ip(),
+        engine_launcher_class=launcher.ipp_class,
+        controller_args=[f"--HeartMonitor.period={int(config.heartbeat_ms)}"],
+        delay=0.0,
+        send_engines_connection_env=False,  # engines start with the controller and wait for its file
+        log=log,
+        load_profile=False,
+        engine_timeout=int(config.start_timeout_s),
+        config=cfg,
+        parent=None,
+    )
 
 
 def still_running(rank) -> bool:

@@ -35,13 +35,14 @@ def interrupt(cluster, ranks: Any = None) -> None:
             )
 
 
-def stop_ranks(cluster, running, wait, release, config) -> list[int]:
+def stop_ranks(cluster, running, wait, release, config=None) -> list[int]:
     """The stop button, escalated: SIGINT to every running rank; those still running after
     ``interrupt_grace_s`` (blocked in a collective, where SIGINT cannot land) are released;
     those still running ``release_grace_s`` later get a second SIGINT (a release can leave
     a rank in Python code). ``running()`` names the ranks still running, ``wait(s)`` polls
     the cell for ``s`` seconds, ``release(ranks)`` releases them. Returns those that would
     not stop."""
+    config = config or cluster.config
     cluster.interrupt(running())
     wait(config.interrupt_grace_s)
     if running():

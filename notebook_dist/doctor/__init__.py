@@ -5,29 +5,30 @@ or point-to-point op it is in (sequence number per process group, op, peer and t
 shapes, dtypes, the cell line that issued it), the collectives it completed in this
 cell, what torch has in flight itself (Flight Recorder), and its Python stack. The
 verdict comes from the first of a list of small rules (:mod:`.rules`) that explains what
-the ranks show; the table rows are drawn from the same facts (:mod:`.facts`).
+the ranks show; the table rows are drawn from the same facts (:mod:`.facts`, over
+:mod:`.waits`, :mod:`.stacks`, :mod:`.source` and :mod:`.words`).
 """
 
 from __future__ import annotations
 
 from .diagnosis import Diagnosis
-from .facts import Facts, rank_condition
+from .facts import Facts, RankReport
 from .rules import RULES
+from .source import rank_condition
 from .stacks import format_stacks
 
-__all__ = ["Diagnosis", "RULES", "diagnose", "format_stacks", "rank_condition"]
+__all__ = ["Diagnosis", "RULES", "RankReport", "diagnose", "format_stacks", "rank_condition"]
 
 
 def diagnose(
-    ranks: dict[int, dict],
+    ranks: dict[int, RankReport],
     *,
     now: float,
     cell_file: str | None = None,
     source: str | None = None,
     first_line: int = 2,
 ) -> Diagnosis:
-    """``ranks``: rank -> {"status": running|done|error|dead, "snap": agent snapshot or {},
-    "exit": how a dead rank ended, "error": (ename, evalue, line) for a rank that raised}."""
+    """``ranks``: rank -> its :class:`RankReport` (status, agent snapshot, how it ended)."""
     facts = Facts(ranks, now, cell_file, source, first_line)
     for rule in RULES:
         verdict = rule.check(facts)

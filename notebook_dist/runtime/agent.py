@@ -196,8 +196,11 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
         "cell_started": STATE.cell_started,
         "cell_token": STATE.cell_token,  # which cell: the kernel never compares two clocks
         "collective": dict(current) if current else None,
-        # collectives other threads are in now, each with its thread's name
-        "threads": [dict(r) for r in list(TRACKER.others.values())],
+        # collectives other threads issued in this cell and are in now, with their names
+        # (one left waiting since an earlier cell is not this cell's: its numbers differ)
+        "threads": [
+            dict(r) for r in list(TRACKER.others.values()) if r["t0"] >= STATE.cell_started
+        ],
         "history": [dict(r) for r in list(TRACKER.history)[-8:]],
         "collectives_done": TRACKER.count,
         # posted isend/irecv not completed: what a rank waits for in req.wait()

@@ -44,13 +44,7 @@ def bootstrap(
     replaced and reported back, so the notebook can say so.
     """
     t0 = time.perf_counter()
-    overridden = {}
-    for key, value in overrides.items():
-        old = os.environ.get(key)
-        if old is not None and old != value:
-            overridden[key] = old
-        os.environ[key] = value
-    os.environ.update(env)  # before CUDA initialises: CUDA_VISIBLE_DEVICES must be in place
+    overridden = _set_environment(env, overrides)
 
     import torch
     import torch.distributed as dist
@@ -60,26 +54,11 @@ def bootstrap(
         flight_recorder_env(flight_recorder_entries, torch.__version__)
     rank = int(env["RANK"])
     world_size = int(env["WORLD_SIZE"])
-    if device.startswith("cuda"):
-        torch.cuda.set_device(int(device.split(":")[1]))
-    if backend == "nccl" and not dist.is_nccl_available():
-        raise RuntimeError("this torch build has no NCCL: use --backend gloo")
-    if not dist.is_available():
-        raise RuntimeError("this torch build has no torch.distributed support")
-    group.install_guards(dist)
-    present_as_script()
-    from . import recover, tracker
-
-    tracker.install(dist)
-    group.destroy_default_group()
-    recover.remember_preexisting_sockets()
-    group.init_default_group(backend, rank, world_size, timeout_s, device)
-
+    _join_group(dist, torch, backend, rank, world_size, timeout_s, device)
     STATE.rank = rank
     STATE.world_size = world_size
     STATE.local_rank = int(env["LOCAL_RANK"])
     STATE.device = device
-    tracker.TRACKER.device = device
     STATE.backend = backend
     STATE.timeout_s = timeout_s
     STATE.bootstrapped = True
@@ -89,14 +68,7 @@ def bootstrap(
         from .tracker import TRACKER, open_blackbox
 
         TRACKER.blackbox = open_blackbox(control_file.replace("release-rank-", "record-rank-"))
-
-    ns = user_namespace()
-    ns.setdefault("torch", torch)
-    ns.setdefault("dist", dist)
-    ns.setdefault("nd", sys.modules[__package__.partition(".")[0]])  # the package (imported)
-    from .exits import install as script_exits
-
-    script_exits(ns)  # exit() ends the cell on this rank, not the rank
+    _prepare_namespace(torch, dist)
     from ..signals import start_time
     from .host import machine_id
 
@@ -114,6 +86,49 @@ def bootstrap(
         "init_s": time.perf_counter() - t0,
         "overridden": overridden,
     }
+
+
+def _set_environment(env: dict[str, str], overrides: dict[str, str]) -> dict[str, str]:
+    """torchrun's variables and the interactive-safe settings; returns the user's values
+    that differ (the engines started with the settings already: a host's own may not)."""
+    overridden = {}
+    for key, value in overrides.items():
+        old = os.environ.get(key)
+        if old is not None and old != value:
+            overridden[key] = old
+        os.environ[key] = value
+    os.environ.update(env)  # before CUDA initialises: CUDA_VISIBLE_DEVICES must be in place
+    return overridden
+
+
+def _join_group(dist, torch, backend, rank, world_size, timeout_s, device) -> None:
+    """The device pinned, the guards and the tracker installed, the default group made."""
+    from . import recover, tracker
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(device.split(":")[1]))
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise RuntimeError("this torch build has no NCCL: use --backend gloo")
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed support")
+    group.install_guards(dist)
+    present_as_script()
+    tracker.install(dist)
+    tracker.TRACKER.device = device
+    group.destroy_default_group()
+    recover.remember_preexisting_sockets()
+    group.init_default_group(backend, rank, world_size, timeout_s, device)
+
+
+def _prepare_namespace(torch, dist) -> None:
+    """torch, dist and nd in the cells' namespace; exit() ends the cell, not the rank."""
+    from .exits import install as script_exits
+
+    ns = user_namespace()
+    ns.setdefault("torch", torch)
+    ns.setdefault("dist", dist)
+    ns.setdefault("nd", sys.modules[__package__.partition(".")[0]])  # the package (imported)
+    script_exits(ns)
 
 
 def flight_recorder_env(entries: int, torch_version, environ=None) -> None:

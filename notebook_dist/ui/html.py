@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import html
 
+from ..phrases import memory_text as fmt_bytes
 from .state import DashboardState, RankRow
-from .text import fmt_bytes, fmt_metric, progress_text
+from .text import fmt_metric, progress_text
 from .widget_colors import STATE_COLORS, sparkline
 
 COLUMNS = (

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..doctor.facts import p2p_text
+from ..doctor.words import p2p_text
 
 STRAGGLER_RATIO = 1.2  # a rank whose step time is 20% over the median is flagged
 

@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
+from ..phrases import memory_text as fmt_bytes
 from ..table import format_table
 from .state import DashboardState
-
-
-def fmt_bytes(n: int | None) -> str:
-    if not n:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 def fmt_metric(value) -> str:

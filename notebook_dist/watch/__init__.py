@@ -8,7 +8,7 @@ coordinator over one module per job.
 - ``view``: a read-only view for the dashboard, the magics and callbacks.
 
 The interrupt's escalation (interrupt, release, interrupt again) is a recovery step:
-``notebook_dist.cluster.recovery.stop_ranks``.
+``notebook_dist.cluster.recovery.stop_ranks``, which the watch asks its cluster for.
 
 Each poll: new output is copied, the views updated; no progress on any rank for
 ``hang_after`` seconds shows the doctor's verdict live (the cell goes on); a rank that
@@ -24,8 +24,8 @@ from typing import TextIO
 from ..doctor import Diagnosis, diagnose
 from ..doctor.facts import TRANSPORT_ERROR
 from ..execute import OutputStreamer, PreparedCell
-from . import policy
-from .inputs import broken, doctor_input, timed_out
+from . import aftermath, policy
+from .inputs import doctor_input, timed_out
 from .progress import Progress, RankView, engine_error
 from .report import Reporter
 from .view import WatchView
@@ -92,7 +92,9 @@ class CellWatch:
         self.streamer.poll()
         for r in self.progress.poll(self.cluster.dead_ranks()):
             v = self.views[r]
-            if v.status == "error" and self._failed_by_release(v):
+            if v.status == "error" and policy.failed_by_release(
+                v, self.release_time, TRANSPORT_ERROR
+            ):
                 self.released.add(r)
                 v.released, v.before_release = True, v.running_snap or None
         now = time.monotonic()
@@ -103,20 +105,16 @@ class CellWatch:
             self.on_update(self.view())
 
     def _apply_policy(self, now: float) -> None:
-        failed = frozenset(r for r, v in self.views.items() if v.status in ("error", "dead"))
-        running = frozenset(self.running())
-        self.error_since = (self.error_since or now) if failed and running else None
+        failing = any(v.status in ("error", "dead") for v in self.views.values())
+        self.error_since = (self.error_since or now) if failing and self.running() else None
         decision = policy.decide(
-            policy.Situation(
-                now=now,
-                last_progress=self.progress.last_progress,
-                error_since=self.error_since,
-                failed=failed,
-                dead=frozenset(r for r in failed if self.views[r].status == "dead"),
-                running=running,
-                in_collective=frozenset(r for r in running if self.views[r].snap.get("collective")),
-                released=frozenset(self.released),
-                interrupted_for_death=self.interrupted_for_death,
+            policy.situation(
+                self.views,
+                now,
+                self.progress.last_progress,
+                self.error_since,
+                self.released,
+                self.interrupted_for_death,
             ),
             self.config.release_after_error_s,
             self.config.abandon_after_death_s,
@@ -127,16 +125,6 @@ class CellWatch:
             self.interrupted_for_death = True
             self.cluster.interrupt(list(decision.interrupt))
         self.abandoned = self.abandoned or decision.abandon
-
-    def _failed_by_release(self, v: RankView) -> bool:
-        """A rank whose collective failed after others were released: their connections
-        closed under it, so its error is a consequence of the release, not a second cause."""
-        if self.release_time is None or v.released:
-            return False
-        error = v.result.get("error") or {}
-        ended = (v.result.get("final") or {}).get("time", 0.0)
-        from_collective = error.get("collective") or TRANSPORT_ERROR.search(error.get("evalue", ""))
-        return bool(from_collective) and ended >= self.release_time
 
     # ---- the doctor -------------------------------------------------------------------
 
@@ -228,12 +216,10 @@ class CellWatch:
 
     def interrupt(self, quiet: bool = False) -> None:
         """Interrupt Python on every rank; release those blocked in collectives."""
-        from ..cluster.recovery import stop_ranks
-
         self.interrupted = True
         if self.frozen is None:
             self.frozen = {r: dict(v.snap) for r, v in self.views.items()}
-        stuck = stop_ranks(self.cluster, self.running, self.wait, self.release, self.config)
+        stuck = self.cluster.stop_ranks(self.running, self.wait, self.release, self.config)
         self.streamer.finish()
         if stuck or not self.released:
             self.outcome = self.report.interrupted(stuck, quiet)
@@ -241,35 +227,10 @@ class CellWatch:
             self.rebuild_after_release()
 
     def rebuild_after_release(self) -> None:
-        took, why = self._rebuild()
-        if why is not None:
-            self.outcome = self.report.rebuild_failed(why)
-        else:
-            self.outcome = self.report.released(sorted(self.released), took)
+        self.outcome = aftermath.after_release(self)
 
     def rebuild_broken_group(self) -> None:
-        """The group broke under the cell (torch's timeout ended a collective, or a peer's
-        connections closed): say why in plain words and rebuild it with every rank's
-        variables kept, so the next cell works (a failed rebuild is tried again before it)."""
-        gone = broken(self.views)
-        if not gone:
-            return
-        timed = timed_out(self.views)
-        why = self.diagnose(before_release=True).verdict if timed else None
-        said = self.report.broke(timed, gone, self.config.timeout_s, why)
-        took, failed = self._rebuild()
-        if failed is not None:
-            self.outcome = self.report.rebuild_failed(failed, said)
-        else:
-            self.outcome = self.report.rebuilt_broken(said, took)
-
-    def _rebuild(self) -> tuple[float, str | None]:
-        from ..errors import ClusterError
-
-        try:
-            return self.cluster.rebuild_process_group(), None
-        except ClusterError as exc:
-            return 0.0, str(exc)
+        self.outcome = aftermath.after_broken_group(self) or self.outcome
 
 
 class _StopHung(KeyboardInterrupt):

@@ -7,8 +7,7 @@ was when it was released, a rank whose collective torch's timeout ended as it wa
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..doctor import RankReport
 from .progress import RankView
 
 
@@ -17,35 +16,28 @@ def doctor_input(
     cell_file: str,
     fault_report,
     before_release: bool = False,
-) -> dict[int, dict[str, Any]]:
+) -> dict[int, RankReport]:
     """``fault_report(rank)``: what the rank's fault file and record say (a dead rank)."""
     timed = timed_out(views) if before_release else {}
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, RankReport] = {}
     for r, v in views.items():
         if before_release and v.released:
-            out[r] = {"status": "running", "snap": v.before_release or v.snap}
-            continue
-        if r in timed:  # as it was while it waited, before torch's timeout ended the wait
+            out[r] = RankReport("running", v.before_release or v.snap)
+        elif r in timed:  # as it was while it waited, before torch's timeout ended the wait
             rec = {k: x for k, x in timed[r].items() if k not in ("t1", "failed")}
             same = (rec.get("group"), rec.get("seq"))
             history = [
                 h for h in v.snap.get("history") or [] if (h.get("group"), h.get("seq")) != same
             ]
-            out[r] = {"status": "running", "snap": dict(v.snap, collective=rec, history=history)}
-            continue
-        info: dict[str, Any] = {"status": v.status, "snap": v.snap}
-        if v.status == "dead":
-            info["exit"] = v.exit
-            info["found_dead"] = v.dead_at
-            info.update(fault_report(r))
-        if v.status == "error" and v.result:
+            out[r] = RankReport("running", dict(v.snap, collective=rec, history=history))
+        elif v.status == "dead":
+            out[r] = RankReport("dead", v.snap, v.exit, v.dead_at, fault=fault_report(r))
+        elif v.status == "error" and v.result:
             e = v.result["error"]
-            info["error"] = (
-                e["ename"],
-                e["evalue"],
-                error_line(e.get("traceback", ""), cell_file),
-            )
-        out[r] = info
+            line = error_line(e.get("traceback", ""), cell_file)
+            out[r] = RankReport("error", v.snap, error=(e["ename"], e["evalue"], line))
+        else:
+            out[r] = RankReport(v.status, v.snap)
     return out
 
 

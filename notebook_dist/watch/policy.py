@@ -49,3 +49,33 @@ def decide(s: Situation, after_error_s: float, abandon_after_s: float) -> Decisi
     if waited >= after_error_s and not s.interrupted_for_death:
         interrupt = tuple(sorted(s.running))
     return Decision(release, interrupt, waited >= after_error_s + abandon_after_s)
+
+
+def situation(
+    views: dict, now: float, last_progress: float, error_since, released, interrupted
+) -> Situation:
+    """Where the cell stands, from the ranks' views (``progress.RankView``)."""
+    failed = frozenset(r for r, v in views.items() if v.status in ("error", "dead"))
+    running = frozenset(r for r, v in views.items() if v.status == "running")
+    return Situation(
+        now=now,
+        last_progress=last_progress,
+        error_since=error_since,
+        failed=failed,
+        dead=frozenset(r for r in failed if views[r].status == "dead"),
+        running=running,
+        in_collective=frozenset(r for r in running if views[r].snap.get("collective")),
+        released=frozenset(released),
+        interrupted_for_death=interrupted,
+    )
+
+
+def failed_by_release(v, release_time: float | None, transport_error) -> bool:
+    """A rank whose collective failed after others were released: their connections closed
+    under it, so its error is a consequence of the release, not a second cause."""
+    if release_time is None or v.released:
+        return False
+    error = v.result.get("error") or {}
+    ended = (v.result.get("final") or {}).get("time", 0.0)
+    from_collective = error.get("collective") or transport_error.search(error.get("evalue", ""))
+    return bool(from_collective) and ended >= release_time

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TextIO
 
 from ..doctor import Diagnosis, format_stacks
-from ..doctor.facts import call_text
+from ..doctor.words import call_text
 from ..phrases import rank_list
 
 

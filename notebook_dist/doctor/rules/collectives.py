@@ -3,14 +3,8 @@
 
 from __future__ import annotations
 
-from ..facts import (
-    call_text,
-    cell_line,
-    plural,
-    records,
-    shape_text,
-    thread_of,
-)
+from ..facts import records
+from ..words import call_text, cell_line, plural, shape_text, thread_of
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []
@@ -138,36 +132,9 @@ def divergence(f: Facts) -> Diagnosis | None:
     group, seq, kind, present = div
     gname = "" if group == "default" else f" in process group {group}"
     if kind in ("shapes", "dtypes"):
-        parts = "; ".join(
-            f"rank {r}: {rec['op']} of {shape_text(rec['shapes'])} {'/'.join(rec['dtypes'])}"
-            for r, rec in sorted(present.items())
-        )
-        rec0 = next(iter(present.values()))
-        noun = "shape" if kind == "shapes" else "dtype"
-        return make(
-            f,
-            kind,
-            f"Collective #{seq}{gname} at {call_text(rec0, f.cell_file)} gets different "
-            f"{kind} on different ranks ({parts}). Every rank must pass tensors of the same {noun}.",
-            present,
-            cell_line(rec0, f.cell_file),
-        )
+        return _tensors_differ(f, kind, seq, gname, present)
     if kind == "argument":
-        rec0 = next(iter(present.values()))
-        names = differing_args(present)
-        said = "; ".join(argument_text(rec0["op"], n, present) for n in names)
-        shown = [ARG_NAMES.get(n, n) for n in names]
-        fixes = " ".join(
-            cap(ARG_FIXES.get(n, f"every rank must pass the same {n}")) + "." for n in names
-        )
-        return make(
-            f,
-            "argument",
-            f"At {rec0['op']} #{seq}{gname} ({call_text(rec0, f.cell_file)}) the ranks pass different "
-            f"{'arguments' if len(names) > 1 else shown[0]}: {said}. {fixes}",
-            present,
-            cell_line(rec0, f.cell_file),
-        )
+        return _arguments_differ(f, seq, gname, present)
     if kind == "mismatch":
         calls = "; ".join(
             f"rank {r} called {rec['op']} at {call_text(rec, f.cell_file)}{thread_of(rec)}"
@@ -187,20 +154,9 @@ def divergence(f: Facts) -> Diagnosis | None:
             f"{cap(plural(list(present)))} called {rec['op']} #{seq}{gname} at "
             f"{call_text(rec, f.cell_file)}{thread_of(rec)}, but {plural(missing)} {never} without calling it."
         )
-    for r, rec in sorted(present.items()):
-        line, cond = f.guarded(rec, f.condition)
-        if cond:
-            own = tuple(rec.get("where") or ()) == (f.cell_file, line)  # not a call into a helper
-            what = f"Line {line}" if own else f"The call at line {line}"
-            return make(
-                f,
-                "conditional",
-                f"{base} {what} is inside `if {cond[1]}:` (line {cond[0]}), so only some ranks "
-                "reach it: every rank must call the same collectives in the same order. Move the "
-                "collective out of the branch, or make every rank call it.",
-                list(present) if kind == "missing" else [r],
-                line,
-            )
+    found = _in_a_rank_branch(f, base, kind, present)
+    if found is not None:
+        return found
     if kind == "missing" and any(
         f.waits.get(r) and f.waits[r].kind == "backward" for r in f.running
     ):
@@ -223,3 +179,58 @@ def divergence(f: Facts) -> Diagnosis | None:
     else:
         said = " Look for a loop or branch whose length depends on the rank or its data."
     return make(f, "finished", base + said, missing, line)
+
+
+def _tensors_differ(f: Facts, kind: str, seq: int, gname: str, present: dict) -> Diagnosis:
+    parts = "; ".join(
+        f"rank {r}: {rec['op']} of {shape_text(rec['shapes'])} {'/'.join(rec['dtypes'])}"
+        for r, rec in sorted(present.items())
+    )
+    rec0 = next(iter(present.values()))
+    noun = "shape" if kind == "shapes" else "dtype"
+    return make(
+        f,
+        kind,
+        f"Collective #{seq}{gname} at {call_text(rec0, f.cell_file)} gets different "
+        f"{kind} on different ranks ({parts}). Every rank must pass tensors of the same {noun}.",
+        present,
+        cell_line(rec0, f.cell_file),
+    )
+
+
+def _arguments_differ(f: Facts, seq: int, gname: str, present: dict) -> Diagnosis:
+    rec0 = next(iter(present.values()))
+    names = differing_args(present)
+    said = "; ".join(argument_text(rec0["op"], n, present) for n in names)
+    shown = [ARG_NAMES.get(n, n) for n in names]
+    fixes = " ".join(
+        cap(ARG_FIXES.get(n, f"every rank must pass the same {n}")) + "." for n in names
+    )
+    return make(
+        f,
+        "argument",
+        f"At {rec0['op']} #{seq}{gname} ({call_text(rec0, f.cell_file)}) the ranks pass different "
+        f"{'arguments' if len(names) > 1 else shown[0]}: {said}. {fixes}",
+        present,
+        cell_line(rec0, f.cell_file),
+    )
+
+
+def _in_a_rank_branch(f: Facts, base: str, kind: str, present: dict) -> Diagnosis | None:
+    """The verdict when a rank's call sits inside an ``if`` on the rank (around the op, or
+    around the call into the helper it is in)."""
+    for r, rec in sorted(present.items()):
+        line, cond = f.guarded(rec, f.condition)
+        if cond:
+            own = tuple(rec.get("where") or ()) == (f.cell_file, line)  # not a call into a helper
+            what = f"Line {line}" if own else f"The call at line {line}"
+            return make(
+                f,
+                "conditional",
+                f"{base} {what} is inside `if {cond[1]}:` (line {cond[0]}), so only some ranks "
+                "reach it: every rank must call the same collectives in the same order. Move the "
+                "collective out of the branch, or make every rank call it.",
+                list(present) if kind == "missing" else [r],
+                line,
+            )
+    return None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..facts import TRANSPORT_ERROR, call_text, records, shape_text
+from ..facts import TRANSPORT_ERROR, records
+from ..words import call_text, shape_text
 from .base import Diagnosis, Facts, make, registrar
 
 RULES: list = []
@@ -15,26 +16,26 @@ def dead(f: Facts) -> Diagnosis | None:
         return None
 
     def at(r):
-        info = f.info[r]
-        text = f" in {info['op']}" if info.get("op") else ""
-        if info.get("line"):
+        info, fault = f.info[r], f.info[r].fault
+        text = f" in {fault['op']}" if fault.get("op") else ""
+        if fault.get("line"):
             text += (
-                f" at line {info['line']}"
-                if info.get("file") in (None, f.cell_file)
-                else f" at {info['file']}, line {info['line']}"
+                f" at line {fault['line']}"
+                if fault.get("file") in (None, f.cell_file)
+                else f" at {fault['file']}, line {fault['line']}"
             )
         elif f.snaps[r].get("stack"):  # SIGKILL leaves no report: where its agent last saw it
-            age = f.seen_ago(r, info.get("found_dead") or f.now)
+            age = f.seen_ago(r, info.found_dead or f.now)
             text += f" (last seen at {f.stack_at(r)}, {age:.1f} s before it was found dead)"
         return text
 
-    how = "; ".join(f"rank {r} {f.info[r].get('exit', 'died')}{at(r)}" for r in f.dead)
+    how = "; ".join(f"rank {r} {f.info[r].exit or 'died'}{at(r)}" for r in f.dead)
     then = "Run %dist_restart (add --replay to re-run your setup cells)."
     if len(f.dead) > 1 and set(f.dead) == set(f.info):
         how = f"Every rank of the cell has ended: {how}"
         then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells), or %dist_shutdown."
     hint = ""
-    aborted = [r for r in f.dead if "SIGABRT" in str(f.info[r].get("exit", ""))]
+    aborted = [r for r in f.dead if "SIGABRT" in str(f.info[r].exit or "")]
     if aborted:
         hint = abort_hint(f, aborted[0]) or (
             " Gloo aborts a rank when the tensors of one collective differ in shape or dtype across"
@@ -42,12 +43,12 @@ def dead(f: Facts) -> Diagnosis | None:
         )
     waiting = f.waiting_phrase()
     tail = f" {waiting}." if waiting else ""
-    broken = [r for r in f.raised if TRANSPORT_ERROR.search(str(f.info[r]["error"][1]))]
+    broken = [r for r in f.raised if TRANSPORT_ERROR.search(str(f.info[r].error[1]))]
     for r in broken:  # its collective failed when the dead rank's connections closed
-        line = f.info[r]["error"][2]
+        line = f.info[r].error[2]
         at = f" at line {line}" if line else ""
         tail += f" Rank {r}'s collective{at} failed when the connections closed."
-    line = next((f.info[r].get("line") for r in f.dead if f.info[r].get("line")), None)
+    line = next((f.info[r].fault["line"] for r in f.dead if f.info[r].fault.get("line")), None)
     return make(
         f,
         "dead",
@@ -60,7 +61,7 @@ def dead(f: Facts) -> Diagnosis | None:
 def abort_hint(f: Facts, dead: int) -> str:
     """What each rank passed to the collective Gloo aborted ``dead`` in: its record (kept in
     memory that outlives it) beside the others' records of the same collective."""
-    rec = f.info[dead].get("record")
+    rec = f.info[dead].fault.get("record")
     if not rec:
         return ""
     key = (rec.get("group"), rec.get("seq"))
@@ -91,8 +92,8 @@ def raised(f: Facts) -> Diagnosis | None:
     if not f.raised:
         return None
     what = "; ".join(
-        f"rank {r} raised {f.info[r]['error'][0]}"
-        + (f" at line {f.info[r]['error'][2]}" if f.info[r]["error"][2] else "")
+        f"rank {r} raised {f.info[r].error[0]}"
+        + (f" at line {f.info[r].error[2]}" if f.info[r].error[2] else "")
         for r in f.raised
     )
     waiting = f.waiting_phrase()

@@ -3,10 +3,7 @@ pattern no rule knows (said plainly rather than guessed)."""
 
 from __future__ import annotations
 
-from ..facts import (
-    call_text,
-    plural,
-)
+from ..words import call_text, plural
 from .base import Diagnosis, Facts, make, registrar
 
 RULES: list = []

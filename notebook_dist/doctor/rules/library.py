@@ -3,11 +3,8 @@ some ranks make."""
 
 from __future__ import annotations
 
-from ..facts import (
-    library_call,
-    plural,
-    verb,
-)
+from ..stacks import library_call
+from ..words import plural, verb
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []

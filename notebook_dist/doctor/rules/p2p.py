@@ -3,11 +3,7 @@ pair (peer, tag), and a peer that is elsewhere."""
 
 from __future__ import annotations
 
-from ..facts import (
-    cell_line,
-    p2p_text,
-    plural,
-)
+from ..words import cell_line, p2p_text, plural
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []

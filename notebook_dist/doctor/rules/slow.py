@@ -3,10 +3,7 @@ GPU, ranks that finished while others wait."""
 
 from __future__ import annotations
 
-from ..facts import (
-    plural,
-    verb,
-)
+from ..words import plural, verb
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []

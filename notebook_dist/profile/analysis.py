@@ -1,0 +1,254 @@
+"""The ranks' profiles on one clock, matched collective by collective (process group and
+sequence number, from torch's Flight Recorder): each rank's time waiting for its peers,
+per op the transfer time and bandwidth, and a verdict when one rank holds the others back
+(none when the machine did: the late rank waited for a CPU). Pure: no file is written."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any
+
+from ..bandwidth import busbw, size_of
+from ..runtime.profiler import union
+from .model import OpTime, Profile, RankTime
+from .trace import trace_events
+
+# a straggler: last to arrive at this share of the collectives, and its lateness cost the
+# others this share of the cell
+STRAGGLER_SHARE = 0.75
+STRAGGLER_COST = 0.10
+MIN_LATE_NS = 1_000_000
+# ... unless the machine held it back: its cell thread waited for a CPU, beyond the others',
+# for this share of what they waited for it, and spent less than this share more time on a
+# CPU than they did (it did not do more work). The thread's own wait is a lower bound of
+# the machine's part: its other threads (holding the GIL, running Gloo) wait too.
+MACHINE_SHARE = 0.25
+MORE_WORK_SHARE = 0.25
+
+
+def length(intervals: list[tuple[int, int]]) -> int:
+    return sum(e - s for s, e in intervals)
+
+
+def minus(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the (merged) intervals ``a`` that no interval of ``b`` covers."""
+    out = []
+    j = 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def analyze(
+    profiles: dict[int, dict[str, Any]], offsets: dict[int, int], cell: str = "the cell"
+) -> Profile:
+    """The ranks' profiles (``runtime.profiler.CellProfile.collect``) on the kernel's clock
+    (``offsets``: each rank's clock minus the kernel's, in ns). Computes; writes nothing
+    (``Profile.save_trace`` writes the merged trace)."""
+    world = sorted(profiles)
+    shift = clock_shifts(profiles, offsets)
+    m = _Matching(profiles, shift)
+    t_min = min(profiles[r]["start"] - shift[r] for r in world)
+    t_max = max(profiles[r]["end"] - shift[r] for r in world)
+    ranks, lanes = {}, {}
+    for r in world:
+        ranks[r], lanes[r] = _rank_time(r, profiles[r], shift[r], m.waiting[r], t_min)
+    verdict = machine = None
+    # where nothing could be matched, no rank can be called late
+    unrecorded = [r for r in world if profiles[r].get("unrecorded")]
+    found = None if unrecorded else _straggler(ranks, m)
+    if found:
+        rank, fact, look = found
+        if held := _held_by_machine(ranks, rank):
+            machine = f"{fact[0].upper()}{fact[1:]} But {held}"
+        else:
+            verdict = f"{fact} {look}"
+    return Profile(
+        cell,
+        world,
+        ranks,
+        _op_times(m.op_samples, len(world)),
+        verdict,
+        None,
+        lanes,
+        (t_max - t_min) / 1e9,
+        any(p.get("cuda") for p in profiles.values()),
+        machine,
+        unrecorded,
+        trace_events(profiles, shift, t_min),
+    )
+
+
+class _Matching:
+    """The collectives matched across ranks by process group and sequence number: each
+    rank's time from its arrival to the last rank's, who arrived last and how late, and
+    per op the transfer time from the last arrival."""
+
+    def __init__(self, profiles: dict[int, dict[str, Any]], shift: dict[int, int]):
+        world = sorted(profiles)
+        self.by_key: dict[tuple[str, Any], dict[int, dict]] = {}
+        for r in world:
+            for c in profiles[r]["collectives"]:
+                at = {k: c[k] - shift[r] for k in ("arrive", "start", "end")}
+                self.by_key.setdefault((c["group"], c["seq"]), {})[r] = dict(c, **at)
+        self.waiting: dict[int, list[tuple[int, int]]] = {r: [] for r in world}
+        self.last_count: Counter = Counter()
+        self.late_ns: dict[int, list[int]] = {r: [] for r in world}
+        self.late_lines: dict[int, Counter] = {r: Counter() for r in world}
+        self.matched = 0
+        self.op_samples: dict[str, list[tuple[int, int]]] = {}
+        for per_rank in self.by_key.values():
+            if len(per_rank) >= 2:
+                self._match(per_rank)
+
+    def _match(self, per_rank: dict[int, dict]) -> None:
+        self.matched += 1
+        arrivals = {r: c["arrive"] for r, c in per_rank.items()}
+        last_arrival = max(arrivals.values())
+        for r, c in per_rank.items():  # overlapping waits (DDP's buckets) count once, later
+            if min(last_arrival, c["end"]) > c["arrive"]:
+                self.waiting[r].append((c["arrive"], min(last_arrival, c["end"])))
+        ordered = sorted(arrivals.items(), key=lambda kv: kv[1])
+        late_rank, late_at = ordered[-1]
+        lateness = late_at - ordered[-2][1]
+        if lateness >= MIN_LATE_NS:
+            self.last_count[late_rank] += 1
+            self.late_ns[late_rank].append(lateness)
+            line = per_rank[late_rank].get("line")
+            if line is not None:
+                self.late_lines[late_rank][line] += 1
+        op = next(iter(per_rank.values()))["op"]
+        done = statistics.median(c["end"] for c in per_rank.values())
+        rank_bytes = max(c["bytes"] for c in per_rank.values())
+        self.op_samples.setdefault(op, []).append((rank_bytes, max(0, int(done - last_arrival))))
+
+
+def _rank_time(r: int, p: dict, shift: int, waiting: list, t_min: int):
+    """One rank's wall, compute, collectives, waiting and exposed time, and its lanes for
+    the timeline (seconds from ``t_min``)."""
+    start, end = p["start"] - shift, p["end"] - shift
+    colls = [(c["arrive"] - shift, c["end"] - shift) for c in p["collectives"]]
+    colls = [(max(s, start), min(e, end)) for s, e in colls if e > s]
+    busy = [(s - shift, e - shift) for s, e in p["busy"]]
+    in_colls = union(colls)
+    exposed = minus(in_colls, union(busy))
+    waited = union(waiting)
+    wall = max(0, end - start)
+    time = RankTime(
+        rank=r,
+        wall_s=wall / 1e9,
+        compute_s=max(0, wall - length(exposed)) / 1e9,
+        collectives_s=length(in_colls) / 1e9,
+        waiting_s=length(waited) / 1e9,
+        exposed_s=length(exposed) / 1e9,
+        cpu_wait_s=None if p.get("cpu_wait") is None else p["cpu_wait"] / 1e9,
+        cpu_busy_s=None if p.get("cpu_busy") is None else p["cpu_busy"] / 1e9,
+    )
+
+    def rel(intervals):
+        return [((s - t_min) / 1e9, (e - t_min) / 1e9) for s, e in intervals]
+
+    return time, {"compute": rel(busy), "collective": rel(in_colls), "waiting": rel(waited)}
+
+
+def _op_times(op_samples: dict[str, list[tuple[int, int]]], n: int) -> list[OpTime]:
+    """Per op: how many, S (nccl-tests' size), the mean transfer time, algbw and busbw."""
+    ops = []
+    for op, samples in sorted(op_samples.items()):
+        size = size_of(op, int(statistics.median(b for b, _ in samples)), n)
+        mean_s = statistics.fmean(t for _, t in samples) / 1e9
+        ops.append(OpTime(op, len(samples), size, mean_s, *busbw(op, size, mean_s, n)))
+    return ops
+
+
+def clock_shifts(profiles: dict[int, dict[str, Any]], offsets: dict[int, int]) -> dict[int, int]:
+    """What to take from each rank's times to put every rank on one clock. Ranks on one
+    machine share its clock, so they share a shift. Between machines: where the ranks left
+    one barrier as the cell began (``aligned``), that moment is the same moment on every
+    machine, to within a message's flight; otherwise the kernel's estimate (``offsets``)."""
+    machines: dict[Any, list[int]] = {}
+    for r, p in profiles.items():
+        machines.setdefault(p.get("clock") or ("rank", r), []).append(r)
+    aligned = all(p.get("aligned") for p in profiles.values())
+    shift = {}
+    for ranks in machines.values():
+        ranks.sort()
+        value = (
+            min(profiles[r]["aligned"] for r in ranks)
+            if aligned and len(machines) > 1
+            else offsets.get(ranks[0], 0)
+        )
+        for r in ranks:
+            shift[r] = value
+    return shift
+
+
+def _held_by_machine(ranks: dict[int, RankTime], late: int) -> str | None:
+    """Why the last rank was last, when the machine is the reason: the cell's thread on it
+    sat runnable, waiting for a CPU, for a good part of the time the others waited for it,
+    and it did no more work than they did. A rank that sleeps or reads data is not runnable
+    while it does, and one that computes more is more time on a CPU: their verdict stands.
+    Where the kernel keeps no schedstat, so does every verdict."""
+    others = [r for r in ranks if r != late]
+    if not others or any(ranks[r].cpu_wait_s is None for r in ranks):
+        return None
+    waited = statistics.fmean(ranks[r].waiting_s for r in others)
+    more_wait = ranks[late].cpu_wait_s - statistics.fmean(ranks[r].cpu_wait_s for r in others)
+    more_work = ranks[late].cpu_busy_s - statistics.fmean(ranks[r].cpu_busy_s for r in others)
+    if waited <= 0 or more_wait < MACHINE_SHARE * waited or more_work >= MORE_WORK_SHARE * waited:
+        return None
+    theirs = ", ".join(f"rank {r}: {ranks[r].cpu_wait_s:.2f} s" for r in others)
+    return (
+        f"rank {late} itself waited {ranks[late].cpu_wait_s:.2f} s for a CPU ({theirs}), and "
+        "computed no more than the others: the machine runs more busy processes than it has "
+        "cores, and that, not the code, held it back. Profile again on a quieter machine, or "
+        "with fewer ranks per machine."
+    )
+
+
+def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, str] | None:
+    """The rank that held the others back, what it cost them, and where to look."""
+    matched, last_count, late_ns, late_lines = m.matched, m.last_count, m.late_ns, m.late_lines
+    if matched < 3 or not last_count:
+        return None
+    rank, times = last_count.most_common(1)[0]
+    if times < STRAGGLER_SHARE * matched:
+        return None
+    others = [r for r in ranks if r != rank]
+    waited = statistics.fmean(ranks[r].waiting_s for r in others)
+    wall = statistics.fmean(ranks[r].wall_s for r in others) or 1e-9
+    if waited < STRAGGLER_COST * wall:
+        return None
+    ops = Counter(
+        c["op"]
+        for per_rank in m.by_key.values()
+        if rank in per_rank and len(per_rank) > 1
+        for c in [per_rank[rank]]
+    )
+    op_text = ops.most_common(1)[0][0] + ("s" if matched > 1 else "")
+    who = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+    fact = (
+        f"rank {rank} arrived last at {times} of {matched} {op_text}, "
+        f"{statistics.fmean(late_ns[rank]) / 1e6:.0f} ms late on average: {who} waited "
+        f"{waited:.1f} s{' each' if len(others) > 1 else ''} ({100 * waited / wall:.0f}% of the cell)."
+    )
+    if late_lines[rank]:
+        line = late_lines[rank].most_common(1)[0][0]
+        return rank, fact, f"Look at what rank {rank} does before line {line}."
+    return (
+        rank,
+        fact,
+        f"Look at what rank {rank} computes between its collectives (torch issued these "
+        "itself, as DDP does inside backward()).",
+    )

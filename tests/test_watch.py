@@ -1,0 +1,88 @@
+"""The watch's release policy, a pure function, on synthetic timelines; and the sizes the
+kernel side keeps to (a class or a function that grows past them is asking to be split)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from notebook_dist.watch.policy import Decision, Situation, decide
+
+AFTER, ABANDON = 2.0, 5.0
+
+
+def at(now, *, failed=(), dead=(), running=(), in_collective=(), released=(), since=0.0, **kw):
+    return Situation(
+        now=now,
+        last_progress=kw.pop("last_progress", now),
+        error_since=since if (failed or dead) and running else None,
+        failed=frozenset(failed) | frozenset(dead),
+        dead=frozenset(dead),
+        running=frozenset(running),
+        in_collective=frozenset(in_collective),
+        released=frozenset(released),
+        **kw,
+    )
+
+
+def test_nothing_failed_nothing_to_do():
+    assert decide(at(10.0, running=(0, 1), in_collective=(0, 1)), AFTER, ABANDON) == Decision()
+
+
+def test_a_rank_that_raised_gets_the_ranks_waiting_in_collectives_released_at_once():
+    s = at(0.1, failed=(1,), running=(0, 2), in_collective=(0,), since=0.0)
+    assert decide(s, AFTER, ABANDON) == Decision(release=(0,))
+
+
+def test_ranks_still_in_python_are_released_only_after_a_while_without_progress():
+    early = at(1.0, failed=(1,), running=(0,), since=0.0, last_progress=0.5)
+    assert decide(early, AFTER, ABANDON) == Decision()
+    late = at(3.0, failed=(1,), running=(0,), since=0.0, last_progress=0.5)
+    assert decide(late, AFTER, ABANDON) == Decision(release=(0,))
+
+
+def test_a_released_rank_is_not_released_again():
+    s = at(0.5, failed=(1,), running=(0,), in_collective=(0,), released=(0,), since=0.0)
+    assert decide(s, AFTER, ABANDON) == Decision()
+
+
+def test_a_dead_ranks_peers_are_interrupted_once_then_given_up_on():
+    timeline = [
+        (0.5, Decision(release=(0,))),
+        (AFTER + 0.1, Decision(release=(0,), interrupt=(0,))),
+        (AFTER + ABANDON + 0.1, Decision(release=(0,), abandon=True)),
+    ]
+    interrupted = False
+    for now, want in timeline:
+        s = at(
+            now,
+            dead=(1,),
+            running=(0,),
+            in_collective=(0,),
+            since=0.0,
+            interrupted_for_death=interrupted,
+        )
+        got = decide(s, AFTER, ABANDON)
+        assert got == want, (now, got)
+        interrupted = interrupted or bool(got.interrupt)
+
+
+def test_when_no_rank_runs_any_more_nothing_is_released():
+    assert decide(at(9.0, failed=(1,), dead=(2,)), AFTER, ABANDON) == Decision()
+
+
+ROOT = Path(__file__).resolve().parents[1] / "notebook_dist"
+
+
+def test_no_class_past_about_250_lines_and_no_function_past_about_80():
+    big = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            size = node.end_lineno - node.lineno + 1
+            if isinstance(node, ast.ClassDef) and size > 260:
+                big.append(f"{path.relative_to(ROOT)}: class {node.name}, {size} lines")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 90:
+                big.append(f"{path.relative_to(ROOT)}: {node.name}(), {size} lines")
+    assert big == []

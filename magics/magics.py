@@ -216,6 +216,13 @@ class DistMagics(Magics):
         "a Gloo abort or wrong numbers (one small all_gather per collective)",
     )
     @argument(
+        "--args",
+        default=None,
+        metavar="ARGS",
+        help="the cell's command line, as a script's: sys.argv[1:] on every rank, e.g. "
+        '--args "--epochs 3 --lr 0.1" (default none, so argparse takes its defaults)',
+    )
+    @argument(
         "--autodist",
         action="store_true",
         help="set by %%autodist: the cell has no magic line of its own",
@@ -240,6 +247,7 @@ class DistMagics(Magics):
         header = None if args.autodist else f"%%distributed {line}".rstrip()
         options = {k: getattr(args, k) for k in ("hang_after", "on_hang", "profile")}
         options["check_collectives"] = args.check_collectives
+        options["args"] = args.args
         return self._run(cell, args.ranks, args.gather, header, not args.no_dashboard, **options)
 
     @cell_magic
@@ -272,17 +280,27 @@ class DistMagics(Magics):
     @magic_arguments()
     @argument("names", nargs="+", metavar="NAME", help="notebook variables to send")
     @argument("--ranks", default="all", help="ranks to send to (default all)")
+    @argument(
+        "--module",
+        action="store_true",
+        help="NAMEs are modules beside the notebook: send their source, for ranks on hosts "
+        "that do not share its folder (import NAME then works there; send again after an edit)",
+    )
     @line_magic
     def dist_push(self, line: str = ""):
         """Send notebook variables to the ranks (cloudpickle: functions and classes work).
 
         In [5]: %dist_push lr model_fn
+        In [6]: %dist_push --module datautils
         """
         args = parse_argstring(self.dist_push, line)
-        missing = [n for n in args.names if n not in self.shell.user_ns]
-        if missing:
-            raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
         with usage_errors():
+            if args.module:
+                SESSION.live().push_modules(args.names, ranks=args.ranks)
+                return
+            missing = [n for n in args.names if n not in self.shell.user_ns]
+            if missing:
+                raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
             SESSION.live().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
 
     @magic_arguments()

@@ -170,6 +170,7 @@ class Session:
         from .ui import DashboardFeed, make_dashboard
 
         check_options(options.get("hang_after"), options.get("on_hang", "show"))
+        options["argv"] = command_line(options.pop("args", None))
         cluster = self.current()
         # a bad spec is refused before anything starts (against the cluster that would)
         parse_ranks(ranks, cluster.world_size if cluster else plan_cluster().world_size)
@@ -226,6 +227,17 @@ class Session:
         cluster = self.current()
         world_size = cluster.world_size if cluster is not None else 2
         return write_script(path, cells, raw_history, self.records, world_size)
+
+
+def command_line(text: str | None) -> list[str]:
+    """``--args "--epochs 3"`` as sys.argv[1:]."""
+    from .cmdline import split_quoted
+    from .errors import OptionError
+
+    try:
+        return split_quoted(text)
+    except ValueError as exc:
+        raise OptionError(f"--args {text!r}: {exc}") from None
 
 
 SESSION = Session()

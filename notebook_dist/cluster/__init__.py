@@ -244,6 +244,7 @@ class DistCluster:
     run = cells.run
     apply = cells.apply
     push = cells.push
+    push_modules = cells.push_modules
     pull = cells.pull
     status = cells.status
     clock_offsets = cells.clock_offsets

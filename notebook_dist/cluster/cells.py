@@ -45,6 +45,7 @@ def run(
     on_hang: str = "show",
     profile: bool = False,
     check_collectives: bool | None = None,
+    argv: list[str] | tuple[str, ...] = (),
 ) -> CellResult:
     """Run a cell on the selected ranks at once, streaming their output live.
 
@@ -56,7 +57,8 @@ def run(
     then a :class:`notebook_dist.profile.Profile` (where the time went, across ranks).
     ``check_collectives`` (default ``DistConfig.check_collectives``): compare every
     collective's arguments across ranks before it runs, so a mismatch is an error on every
-    rank instead of a hang, an abort or wrong numbers.
+    rank instead of a hang, an abort or wrong numbers. ``argv``: the cell's ``sys.argv[1:]``
+    on every rank, as a script's command line (``--args``).
     """
     check_options(hang_after, on_hang)
     cluster.require_running()
@@ -86,8 +88,14 @@ def run(
             prepared.want_value,
             token,
             cluster.shm_dir,
-            how_profiled,
-            cluster.config.check_collectives if check_collectives is None else check_collectives,
+            {
+                "profile": how_profiled,
+                "check_collectives": cluster.config.check_collectives
+                if check_collectives is None
+                else check_collectives,
+                "argv": list(argv) if argv else None,
+                **workspace(),
+            },
         ),
     )
     watch = cluster.last_watch = CellWatch(
@@ -113,6 +121,44 @@ def run(
     if not result.errors and not watch.released and len(selected) == cluster.world_size:
         cluster.history.append(prepared)
     return result
+
+
+#: the import paths the kernel had when notebook_dist was imported: the notebook's own
+#: additions are the others
+_PATHS_AT_IMPORT = list(sys.path)
+
+
+def workspace() -> dict[str, Any]:
+    """The notebook's folder and the import paths it added, for the ranks to follow."""
+    added = [p for p in sys.path if p not in _PATHS_AT_IMPORT and p]
+    return {"cwd": os.getcwd(), "paths": [os.path.abspath(p) for p in added] or None}
+
+
+def push_modules(cluster, names: list[str], ranks: Any = None) -> list[str]:
+    """Send the source of the notebook's modules ``names`` to the ranks, which import it
+    from there (for ranks on hosts that do not share the notebook's folder)."""
+    import importlib.util
+
+    from ..runtime import workspace as rt_workspace
+
+    sent = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        origin = getattr(spec, "origin", None) if spec else None
+        if spec is None or not origin or not origin.endswith(".py"):
+            raise TransferError(
+                f"--module {name}: no Python source file for it here (only single-file "
+                "modules of .py source can be sent; a package needs a shared folder)"
+            )
+        if spec.submodule_search_locations:
+            raise TransferError(
+                f"--module {name} is a package: put it in a folder every rank's host shares"
+            )
+        with open(origin) as f:
+            source = f.read()
+        apply(cluster, rt_workspace.install_module, name, source, origin, ranks=ranks)
+        sent.append(name)
+    return sent
 
 
 def _collected(watch, selected: list[int], results: list, gather: list[str], out) -> CellResult:

@@ -9,17 +9,13 @@ from ..errors import PreflightError
 
 
 def ssh_options(text: str) -> list[str]:
-    """``--ssh "-i key -o Port=2222"`` as ssh's arguments. IPython's argument parser keeps
-    the quotes around a quoted value: one word that is itself quoted is split again."""
-    import shlex
+    """``--ssh "-i key -o Port=2222"`` as ssh's arguments."""
+    from ..cmdline import split_quoted
 
     try:
-        options = shlex.split(text or "")
-        if len(options) == 1 and text.strip()[:1] in ("'", '"'):
-            options = shlex.split(options[0])
+        return split_quoted(text)
     except ValueError as exc:
         raise PreflightError(f"--ssh {text!r}: {exc}") from None
-    return options
 
 
 def parse_hosts(spec: str) -> dict[str, int | None]:

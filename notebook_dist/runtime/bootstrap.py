@@ -61,6 +61,7 @@ def bootstrap(
     STATE.device = device
     STATE.backend = backend
     STATE.timeout_s = timeout_s
+    STATE.extras["cluster_env"] = {k: env[k] for k in group.CLUSTER_ENV if k in env}
     STATE.bootstrapped = True
     _start_agent(control_file, publish_interval)
     if control_file:
@@ -112,6 +113,9 @@ def _join_group(dist, torch, backend, rank, world_size, timeout_s, device) -> No
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
     group.install_guards(dist)
+    from . import launch
+
+    launch.install()
     present_as_script()
     tracker.install(dist)
     tracker.TRACKER.device = device

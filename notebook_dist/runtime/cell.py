@@ -72,11 +72,18 @@ def format_exception(exc: BaseException, filename: str) -> str:
 
 
 def _error(exc: BaseException, filename: str) -> dict:
-    return {
+    from .hints import gpu_hint
+
+    error = {
         "ename": type(exc).__name__,
         "evalue": str(exc),
         "traceback": format_exception(exc, filename),
     }
+    hint = gpu_hint(exc)
+    if hint:  # the error ends with the one sentence that says what to change
+        error["hint"] = hint
+        error["traceback"] += f"notebook_dist: {hint}\n"
+    return error
 
 
 def run_cell(
@@ -90,6 +97,9 @@ def run_cell(
     shm_dir: str | None = None,
     profile: str | None = None,
     check_collectives: bool = False,
+    argv: list[str] | None = None,
+    cwd: str | None = None,
+    paths: list[str] | None = None,
 ) -> list:
     """Execute ``code`` in the rank's namespace; return ``pack(result)``.
 
@@ -97,12 +107,17 @@ def run_cell(
     the notebook line number of ``code``'s first line. ``profile`` (``"aligned"`` when
     every rank runs the cell, ``"alone"`` otherwise) runs it under torch.profiler.
     ``check_collectives`` compares each collective's arguments across ranks first
-    (``notebook_dist.runtime.argcheck``).
+    (``notebook_dist.runtime.argcheck``). ``sys.argv`` is what a script run with ``argv``
+    would have (``--args``; none by default), so argparse takes its defaults. ``cwd`` and
+    ``paths``: the notebook's folder and the import paths it added, followed here.
     """
     from .recover import CollectiveReleased
+    from .workspace import follow
 
+    follow(cwd, paths)
     _register_source(filename, source)
     prof = _begin(token, filename, profile, check_collectives)
+    sys.argv = [filename, *(argv or ())]
     result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
     ran = False
     while True:
@@ -118,6 +133,9 @@ def run_cell(
             # unless it landed while that outcome was being written
             if result["status"] == "error" and "error" not in result:
                 _record_error(exc, filename, result)
+    from .group import note_env_changes
+
+    note_env_changes()
     for stream in (sys.stdout, sys.stderr):
         _drain_fd(stream)
         stream.flush()
@@ -249,9 +267,10 @@ def _without_unpicklable(result: dict, gathered: dict) -> dict:
 
 
 def run_cell_request(request: tuple) -> list:
-    """:func:`run_cell` with its arguments in one tuple: one object for ipyparallel to
-    serialise per message instead of seven (this is on every cell's critical path)."""
-    return run_cell(*request)
+    """:func:`run_cell` with its arguments in one tuple, the options last as a dict: one
+    object for ipyparallel to serialise per message (this is on every cell's critical path)."""
+    *args, options = request
+    return run_cell(*args, **options)
 
 
 def push_values(*frames: Any) -> list[str]:

@@ -23,24 +23,95 @@ from .state import STATE
 _originals: dict[str, Any] = {}
 
 
+#: the cluster's own rendezvous and identity: a cell that sets them (a tutorial's setup())
+#: changes its own environment, never the cluster's group or its rebuild
+CLUSTER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def _guarded_init_process_group(*args: Any, **kwargs: Any):
     """``init_process_group`` that leaves the cluster's own group in place.
 
     Code copied from a torchrun script calls ``init_process_group()``; here the group
-    already exists, so the call is skipped with a note instead of raising.
+    already exists, so the call is skipped, with a note once per cell naming the backend
+    asked for and the one kept. Arguments torch itself would refuse are refused, in its
+    words, as under torchrun.
     """
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return _originals["init"](*args, **kwargs)
+    asked = kwargs.get("backend", args[0] if args else None)
+    _check_like_torch(asked, kwargs.get("device_id"))
+    kept = dist.get_backend()
+    if STATE.extras.get("init_said") != STATE.cell_token:
+        STATE.extras["init_said"] = STATE.cell_token
+        differs = (
+            f"; {asked!r} was asked for and {kept!r} is kept"
+            if asked is not None and str(asked).lower() != kept
+            else ""
+        )
         print(
-            f"notebook_dist: the default process group is already initialised "
-            f"(backend {dist.get_backend()}, rank {dist.get_rank()} of {dist.get_world_size()}); "
-            "this init_process_group() call is skipped. %dist_init with other arguments (or "
+            f"notebook_dist: the default process group is already initialised (backend "
+            f"{kept}, rank {dist.get_rank()} of {dist.get_world_size()}){differs}; this "
+            "init_process_group() call is skipped. %dist_init with other arguments (or "
             "%dist_restart) gives a fresh group.",
             file=sys.stderr,
         )
-        return None
-    return _originals["init"](*args, **kwargs)
+    return None
+
+
+def _check_like_torch(backend: Any, device_id: Any) -> None:
+    """What torch's init_process_group refuses before it makes a group, refused alike."""
+    import torch
+    import torch.distributed as dist
+
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if isinstance(backend, str):
+        known = {*dist.Backend.backend_list, *getattr(dist.Backend, "_plugins", {})}
+        for part in backend.split(","):  # "cpu:gloo,cuda:nccl" too
+            name = part.split(":")[-1].strip().lower()
+            if name not in known:
+                raise AssertionError(f"Unknown backend type {name}")
+    if device_id is None:
+        return
+    acc = torch.accelerator.current_accelerator()
+    if isinstance(device_id, int):
+        if acc is None:
+            raise ValueError(
+                "device_id is an int, but no accelerator support is found from the current "
+                "compilation. Please use a different compiled version that supports your "
+                "accelerator."
+            )
+        device_id = torch.device(acc.type, device_id)
+    if device_id.type == "cpu" or device_id.index is None:
+        raise ValueError(
+            "init_process_group device_id parameter must be an accelerator with an index"
+        )
+    if acc is None or device_id.type != acc.type:
+        raise ValueError(
+            f"device_id {device_id} does not match the current compilation's accelerator "
+            f"support: {acc}. Please use a different compiled version that supports your "
+            "accelerator."
+        )
+
+
+def note_env_changes() -> None:
+    """After a cell: say once that the cluster keeps its own MASTER_ADDR, RANK, ... when the
+    cell set other values (its own code sees them; the group and its rebuild never do)."""
+    own = STATE.extras.get("cluster_env") or {}
+    changed = [k for k, v in own.items() if os.environ.get(k, v) != v]
+    fresh = [k for k in changed if k not in STATE.extras.setdefault("env_said", set())]
+    if not fresh:
+        return
+    STATE.extras["env_said"].update(fresh)
+    said = ", ".join(f"{k}={os.environ[k]}" for k in fresh)
+    theirs = ", ".join(f"{k}={own[k]}" for k in fresh)
+    print(
+        f"notebook_dist: this cell set {said}; the cluster keeps its own ({theirs}) for its "
+        "process group and for rebuilding it. Said once.",
+        file=sys.stderr,
+    )
 
 
 def _guarded_destroy_process_group(group: Any = None) -> None:

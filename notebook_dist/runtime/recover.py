@@ -246,7 +246,9 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
             from .tracker import forget_groups
 
             forget_groups()
-            os.environ["MASTER_PORT"] = str(master_port)
+            own = STATE.extras.setdefault("cluster_env", {})
+            own["MASTER_PORT"] = str(master_port)
+            os.environ.update(own)  # the cluster's own, whatever a cell set
             remember_preexisting_sockets()
             group.init_default_group(
                 STATE.backend,

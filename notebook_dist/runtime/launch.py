@@ -1,0 +1,101 @@
+"""Process launchers called on a rank do what the pasted code meant: the ranks already
+are the processes.
+
+- ``torch.multiprocessing.spawn(fn, args, nprocs=world_size)`` (PyTorch's DDP tutorial
+  under ``if __name__ == "__main__":``) runs ``fn(rank, *args)`` on each rank in place,
+  with one note; another ``nprocs`` is refused with a sentence, before any child starts;
+- ``multiprocessing.Process(target=f)`` with ``f`` defined in a cell (``dist_tuto``'s
+  ``run.py``) is refused before the child starts: a child cannot see a cell's functions,
+  and each rank would start ranks of its own. A target from a module (DataLoader's
+  workers, a library's pool) starts as usual;
+- ``set_start_method`` of the method already set is accepted (a cell run again raised
+  "context has already been set").
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .state import STATE
+
+_originals: dict = {}
+
+
+class AlreadyTheRanks(RuntimeError):
+    """A call that would start rank processes on a rank, refused before any child starts."""
+
+
+def _is_cell_function(fn) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_filename.startswith("Cell In[")
+
+
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """``torch.multiprocessing.spawn`` on a rank: ``fn(rank, *args)`` here, in place."""
+    if nprocs != STATE.world_size:
+        raise AlreadyTheRanks(
+            f"mp.spawn(..., nprocs={nprocs}) would start {nprocs} processes on each of the "
+            f"{STATE.world_size} ranks, but the ranks already are the processes: call "
+            f"{getattr(fn, '__name__', 'fn')}(nd.rank, ...) in the cell, or %dist_init -n "
+            f"{nprocs} for {nprocs} ranks"
+        )
+    if STATE.extras.get("spawn_said") != STATE.cell_token:
+        STATE.extras["spawn_said"] = STATE.cell_token
+        print(
+            f"notebook_dist: mp.spawn({getattr(fn, '__name__', 'fn')}, nprocs={nprocs}) runs "
+            f"it on each of the {nprocs} ranks in place (the ranks already are the processes): "
+            "rank r calls it with r.",
+            file=sys.stderr,
+        )
+    fn(STATE.rank, *args)
+    return None if join else _Done()
+
+
+class _Done:
+    """What ``spawn(join=False)`` returns: the work already ran."""
+
+    def join(self, timeout=None) -> bool:
+        return True
+
+
+def _checked_start(self):
+    target = getattr(self, "_target", None)
+    if _is_cell_function(target):
+        raise AlreadyTheRanks(
+            f"multiprocessing.Process(target={target.__name__}) would start a process of its "
+            "own on each rank (and a child process cannot see functions defined in a cell), "
+            f"but the ranks already are the processes: call {target.__name__}(nd.rank, "
+            "nd.world_size, ...) in the cell instead"
+        )
+    return _originals["start"](self)
+
+
+def _set_start_method(method, force=False):
+    import multiprocessing
+
+    if not force and multiprocessing.get_start_method(allow_none=True) == method:
+        return None  # a cell run again: the same method is already set
+    return _originals["set_start_method"](method, force=force)
+
+
+def install() -> None:
+    """The guards, once per process (``bootstrap``)."""
+    if _originals:
+        return
+    import multiprocessing
+    import multiprocessing.process
+
+    import torch.multiprocessing as tmp
+
+    _originals["start"] = multiprocessing.process.BaseProcess.start
+    _originals["set_start_method"] = multiprocessing.set_start_method
+    _originals["spawn"] = tmp.spawn
+    multiprocessing.process.BaseProcess.start = _checked_start
+    multiprocessing.set_start_method = _set_start_method
+    tmp.set_start_method = _set_start_method
+    tmp.spawn = spawn
+    if hasattr(tmp, "spawn_"):
+        tmp.spawn_ = spawn
+    import torch.multiprocessing.spawn as spawn_module
+
+    spawn_module.spawn = spawn

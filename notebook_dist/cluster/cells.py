@@ -22,6 +22,28 @@ from .ranks import remote_message
 from .recovery import regain_group
 
 
+def cell_request(prepared, gather, token, shm_dir, profile, check, argv) -> tuple:
+    """What a rank's ``runtime.cell.run_cell_request`` is sent: one tuple, options last."""
+    options = {
+        "profile": profile,
+        "check_collectives": check,
+        "argv": list(argv) if argv else None,
+        **workspace(),
+    }
+    p = prepared
+    return (
+        p.code,
+        p.filename,
+        p.source,
+        p.first_line,
+        gather,
+        p.want_value,
+        token,
+        shm_dir,
+        options,
+    )
+
+
 def check_options(hang_after: float | None = None, on_hang: str = "show") -> None:
     """A cell's options, refused with a sentence before anything is sent."""
     if on_hang not in ("show", "stop"):
@@ -77,26 +99,10 @@ def run(
             offsets = clock_offsets(cluster, selected)
     t0 = time.perf_counter()
     token = uuid.uuid4().hex
+    check = cluster.config.check_collectives if check_collectives is None else check_collectives
     ar = cluster.processes.rank_view(selected).apply_async(
         rt_cell.run_cell_request,
-        (
-            prepared.code,
-            prepared.filename,
-            prepared.source,
-            prepared.first_line,
-            gather,
-            prepared.want_value,
-            token,
-            cluster.shm_dir,
-            {
-                "profile": how_profiled,
-                "check_collectives": cluster.config.check_collectives
-                if check_collectives is None
-                else check_collectives,
-                "argv": list(argv) if argv else None,
-                **workspace(),
-            },
-        ),
+        cell_request(prepared, gather, token, cluster.shm_dir, how_profiled, check, argv),
     )
     watch = cluster.last_watch = CellWatch(
         cluster,

@@ -12,6 +12,9 @@ def load_ipython_extension(ipython) -> None:
     from .performance import PerformanceMagics
 
     magics = DistMagics(ipython)
+    # %debug after a failed %%distributed cell debugs the rank; IPython's own otherwise
+    if not hasattr(ipython, "_notebook_dist_ipython_debug"):
+        ipython._notebook_dist_ipython_debug = ipython.find_line_magic("debug")
     ipython.register_magics(magics)
     ipython.register_magics(DebugMagics(ipython))
     ipython.register_magics(PerformanceMagics(ipython))

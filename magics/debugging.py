@@ -3,6 +3,7 @@ cross-rank inspection, and export to a torchrun script."""
 
 from __future__ import annotations
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
@@ -62,6 +63,28 @@ class DebugMagics(Magics):
         with usage_errors():
             for said in SESSION.restart(args.replay):
                 print(said)
+
+    @line_magic
+    def debug(self, line: str = ""):
+        """``%debug`` after a failed ``%%distributed`` cell: the debugger on the rank that
+        raised, in its frames as they were, asked through the notebook; after anything
+        else, IPython's own ``%debug``.
+
+        In [7]: %debug
+        [rank 1] (Pdb) p x
+        """
+        import sys
+
+        from notebook_dist.errors import RankError
+
+        failed = getattr(sys, "last_value", None)
+        if isinstance(failed, RankError) and not line.strip():
+            with usage_errors():
+                return SESSION.post_mortem(min(failed.errors))
+        original = getattr(self.shell, "_notebook_dist_ipython_debug", None)
+        if original is None:
+            raise UsageError("%debug: nothing to debug")
+        return original(line)
 
     # ---- inspection ------------------------------------------------------------------
 

@@ -216,6 +216,25 @@ class DistMagics(Magics):
         "a Gloo abort or wrong numbers (one small all_gather per collective)",
     )
     @argument(
+        "--pdb",
+        action="store_true",
+        help="a rank that raises opens the debugger where it raised, in the notebook (as "
+        "IPython's %%pdb on, which turns it on for every cell)",
+    )
+    @argument(
+        "--answers",
+        nargs="+",
+        default=[],
+        metavar="LINE",
+        help="lines for what the ranks ask (their debugger, input()), given in advance, in "
+        'order, e.g. --answers "p w" c',
+    )
+    @argument(
+        "--raw-output",
+        action="store_true",
+        help="every rank's lines as they are: none folded into one [ranks 0-7] line",
+    )
+    @argument(
         "--args",
         default=None,
         metavar="ARGS",
@@ -248,6 +267,9 @@ class DistMagics(Magics):
         options = {k: getattr(args, k) for k in ("hang_after", "on_hang", "profile")}
         options["check_collectives"] = args.check_collectives
         options["args"] = args.args
+        options["raw_output"] = args.raw_output
+        options["answers"] = args.answers
+        options["post_mortem"] = args.pdb
         return self._run(cell, args.ranks, args.gather, header, not args.no_dashboard, **options)
 
     @cell_magic
@@ -265,6 +287,9 @@ class DistMagics(Magics):
     def _run(self, cell, ranks, gather, header, dashboard=True, **options):
         check_names("--gather", gather)
         number = self.shell.displayhook.prompt_count  # IPython's own Out[N] number
+        if self.shell.call_pdb:  # %pdb on: the ranks' own post-mortem, not the kernel's
+            options["post_mortem"] = True
+            self._skip_kernel_post_mortem()
         with usage_errors():
             result = SESSION.run_cell(cell, number, ranks, gather, header, dashboard, **options)
         self.shell.user_ns.update(result.gathered)
@@ -274,6 +299,18 @@ class DistMagics(Magics):
             display(result.profile)
         result.raise_for_errors()
         return result.values
+
+    def _skip_kernel_post_mortem(self) -> None:
+        """With %pdb on, IPython would open its debugger in the tool's own frames after the
+        cell: the ranks opened theirs where they raised. Off for this cell, on again after."""
+        shell = self.shell
+        shell.call_pdb = False
+
+        def restore(result=None):
+            shell.call_pdb = True
+            shell.events.unregister("post_run_cell", restore)
+
+        shell.events.register("post_run_cell", restore)
 
     # ---- moving values -------------------------------------------------------------
 

@@ -49,6 +49,15 @@ class DistConfig:
     """When every rank has finished, how long to wait for the rest of their output (a big
     output on a busy machine can take seconds; a dead rank's never comes: 1 s then)."""
 
+    fold_from_ranks: int = 4
+    """From this many ranks up, a line that several ranks print alike is shown once with
+    their ranks (``[ranks 0-7] epoch 1 done``); 0 never folds. ``%%distributed
+    --raw-output`` shows one cell's per-rank streams as they are."""
+
+    fold_window_s: float = 0.3
+    """How long a line waits for the other ranks' copy before it is shown on its own (one
+    rank's lines are never reordered)."""
+
     dashboard: str = "auto"
     """``auto`` (live widgets in Jupyter, text elsewhere), ``widget``, ``text`` or ``off``;
     ``%%distributed --no-dashboard`` turns it off for one cell."""

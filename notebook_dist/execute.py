@@ -1,19 +1,13 @@
-"""Kernel side of running a cell: prepare it, stream the ranks' output, collect results."""
+"""Kernel side of running a cell: prepare it, and collect its results (the ranks' output
+is ``notebook_dist.output``)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 from .errors import CellSyntaxError, RemoteTraceback
 from .values import RankValues
-
-# shown per rank and stream, per cell; the rest goes to a log file (a rank printing
-# 100 MB must not freeze the notebook)
-MAX_LINES_PER_RANK = 2000
-MAX_BYTES_PER_RANK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -80,158 +74,6 @@ def _wants_value(cell: str) -> bool:
         if code:
             return not code.endswith(";")
     return False
-
-
-class OutputStreamer:
-    """Copies each rank's stdout/stderr to the notebook as it arrives, tagged by rank.
-
-    Reads the growing per-message output that ipyparallel accumulates; complete lines
-    are written at once, a partial line waits for its end (or for the cell's end).
-    """
-
-    def __init__(
-        self,
-        sources: list[tuple[int, dict]],
-        out: TextIO | None = None,
-        err: TextIO | None = None,
-        max_lines: int = MAX_LINES_PER_RANK,
-        max_bytes: int = MAX_BYTES_PER_RANK,
-        log_name: str = "cell",
-    ):
-        self.sources = sources  # (rank, ipyparallel metadata dict of that rank's message)
-        self.out = out
-        self.err = err
-        self.max_lines = max_lines  # per rank and stream; the rest goes to a log file
-        self.max_bytes = max_bytes
-        self._bytes: dict[tuple[int, str], int] = {}
-        self.log_name = log_name
-        self._shown: dict[tuple[int, str], int] = {}
-        self._logs: dict[tuple[int, str], Any] = {}
-        self.dropped: dict[tuple[int, str], int] = {}
-        self._offsets: dict[tuple[int, str], int] = {}
-        self._partial: dict[tuple[int, str], str] = {}
-        self._outputs_seen: dict[int, int] = {}
-        self.lines_written = 0
-        self.last_line: dict[int, str] = {}  # per rank, for the dashboard
-
-    def _stream(self, name: str) -> TextIO:
-        if name == "stderr":
-            return self.err or sys.stderr
-        return self.out or sys.stdout
-
-    def stdout_stream(self) -> TextIO:
-        """Where the cell's own notes go: the cell's stdout."""
-        return self._stream("stdout")
-
-    def poll(self) -> None:
-        for rank, md in self.sources:
-            for name in ("stdout", "stderr"):
-                text = md.get(name) or ""
-                key = (rank, name)
-                start = self._offsets.get(key, 0)
-                if len(text) <= start:
-                    continue
-                self._offsets[key] = len(text)
-                if key in self._logs:  # capped: the rest goes to the log only
-                    self._log(key, text[start:])
-                    continue
-                self._emit(rank, name, self._partial.pop(key, "") + text[start:], text, start)
-            self._republish_outputs(rank, md)
-
-    def _emit(self, rank: int, name: str, text: str, full: str = "", start: int = 0) -> None:
-        key = (rank, name)
-        *lines, rest = text.split("\n")
-        shown, nbytes = self._shown.get(key, 0), self._bytes.get(key, 0)
-        keep = []
-        capped = False
-        for line in lines:
-            if shown >= self.max_lines or nbytes + len(line) > self.max_bytes:
-                capped = True
-                break
-            keep.append(line)
-            shown += 1
-            nbytes += len(line) + 1
-        if not capped and rest:
-            if nbytes + len(rest) > self.max_bytes:
-                capped = True  # one enormous line: do not hold it, do not show it
-            else:
-                self._partial[key] = rest
-        if capped:
-            self._partial.pop(key, None)
-            self._start_log(key, full)
-        self._shown[key], self._bytes[key] = shown, nbytes
-        lines = keep
-        if lines:
-            for line in reversed(lines):
-                if line.strip():
-                    self.last_line[rank] = line
-                    break
-            prefix = f"[rank {rank}] "
-            stream = self._stream(name)
-            stream.write("".join(f"{prefix}{line}\n" for line in lines))
-            stream.flush()
-            self.lines_written += len(lines)
-
-    def _start_log(self, key: tuple[int, str], full: str) -> None:
-        """Past the cap: everything the rank printed in this cell goes to a file."""
-        import tempfile
-
-        folder = os.path.join(tempfile.gettempdir(), f"notebook_dist-logs-{os.getuid()}")
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        rank, name = key
-        path = os.path.join(folder, f"{self.log_name}-rank{rank}-{name}.log".replace(" ", "_"))
-        f = open(path, "w")  # noqa: SIM115 - closed in finish()
-        f.write(full)
-        self._logs[key] = f
-
-    def _log(self, key: tuple[int, str], text: str) -> None:
-        self._logs[key].write(text)
-
-    def _republish_outputs(self, rank: int, md: dict) -> None:
-        outputs = md.get("outputs") or []
-        seen = self._outputs_seen.get(rank, 0)
-        if len(outputs) <= seen:
-            return
-        self._outputs_seen[rank] = len(outputs)
-        try:
-            from IPython.display import publish_display_data
-        except ImportError:
-            return
-        for output in outputs[seen:]:
-            data = dict(output.get("data", {}))
-            if "text/plain" in data:
-                data["text/plain"] = f"[rank {rank}] " + data["text/plain"]
-            publish_display_data(data, output.get("metadata", {}))
-
-    def finish(self) -> None:
-        self.poll()
-        for key, f in sorted(self._logs.items()):
-            rank, name = key
-            f.flush()
-            total = _count_lines(f.name)
-            f.close()
-            dropped = max(total - self._shown.get(key, 0), 0)
-            self.dropped[key] = dropped
-            size = os.path.getsize(f.name)
-            self._stream(name).write(
-                f"[rank {rank}] ... output capped: {dropped:,} more lines of {name} not shown "
-                f"(cap: {self.max_lines:,} lines or {self.max_bytes // 1024:,} KiB per rank); "
-                f"all {size / 2**20:.1f} MiB are in {f.name}\n"
-            )
-        for (rank, name), rest in sorted(self._partial.items()):
-            stream = self._stream(name)
-            stream.write(f"[rank {rank}] {rest}\n")
-            stream.flush()
-            self.lines_written += 1
-        self._partial.clear()
-
-
-def _count_lines(path: str) -> int:
-    n = 0
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            n += block.count(b"\n")
-    return n
 
 
 @dataclass

@@ -13,6 +13,21 @@ def rank_list(ranks: Iterable[int], one: str = "rank", many: str = "ranks") -> s
     return f"{one if len(ranks) == 1 else many} {', '.join(map(str, ranks))}"
 
 
+def rank_span(ranks: Iterable[int]) -> str:
+    """'rank 1', 'ranks 0-7', 'ranks 0, 2, 5', 'ranks 0-3, 6': runs of ranks as ranges."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
+    return "ranks " + ", ".join(parts)
+
+
 def _scaled(n: float) -> tuple[float, str]:
     for unit, size in _UNITS:
         if n >= size:

@@ -171,6 +171,7 @@ class Session:
 
         check_options(options.get("hang_after"), options.get("on_hang", "show"))
         options["argv"] = command_line(options.pop("args", None))
+        options["answers"] = [unquoted(a) for a in options.get("answers") or ()]
         cluster = self.current()
         # a bad spec is refused before anything starts (against the cluster that would)
         parse_ranks(ranks, cluster.world_size if cluster else plan_cluster().world_size)
@@ -201,6 +202,17 @@ class Session:
             self.last_profile = result.profile
         return result
 
+    def post_mortem(self, rank: int):
+        """``%debug`` after a failed cell: the debugger on ``rank`` where it raised, its
+        frames as they were (the rank kept them), asked through the notebook."""
+        cluster = self.live()
+        result = cluster.run(
+            '__import__("notebook_dist.runtime.debugger", fromlist=["_"]).post_mortem();',
+            ranks=[rank],
+            filename="<post-mortem>",
+        )
+        result.raise_for_errors()
+
     # ---- after a cell ----------------------------------------------------------------------
 
     def stacks(self, ranks: str = "all") -> str:
@@ -227,6 +239,13 @@ class Session:
         cluster = self.current()
         world_size = cluster.world_size if cluster is not None else 2
         return write_script(path, cells, raw_history, self.records, world_size)
+
+
+def unquoted(word: str) -> str:
+    """``"p x"`` as IPython's parser hands a quoted word over: without its quotes."""
+    if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"":
+        return word[1:-1]
+    return word
 
 
 def command_line(text: str | None) -> list[str]:

@@ -30,6 +30,9 @@ CELLS = [
     "%load_ext notebook_dist\n%dist_init -n 2",
     "%%distributed\nimport time\nfor step in range(1, 51):\n    time.sleep(0.04)\n"
     "    nd.report(step=step, total=50, loss=1.0 / step + 0.1 * nd.rank, samples=16)\nprint('trained')",
+    # a breakpoint on rank 1: its prompt comes in JupyterLab's input box
+    "%%distributed\nsecret = nd.rank * 7\nif nd.rank == 1:\n    breakpoint()\ndist.barrier()\n"
+    "print('after the debugger')",
 ]
 
 
@@ -200,6 +203,25 @@ def test_dashboard_renders_live_and_ends_done(lab):
                 assert rows.nth(i).locator(".nd-step").inner_text() == "50/50"
             final.scroll_into_view_if_needed()
             page.screenshot(path=str(shots / "dashboard.png"))
+            # the debugger's prompt, in the input box: a command typed there runs on rank 1
+            box = page.locator("input.jp-Stdin-input")
+            box.wait_for(timeout=60_000)
+            assert "[rank 1] (Pdb)" in page.locator(".jp-Stdin-prompt").last.inner_text()
+            box.fill("p secret")
+            box.press("Enter")
+            shows = "t => document.querySelector('.jp-Notebook').innerText.includes(t)"
+            page.wait_for_function(shows, arg="[rank 1] 7\n", timeout=30_000)
+            # the next prompt comes in a fresh input box (the answered one stays, as text)
+            page.wait_for_function(
+                "() => document.querySelectorAll('input.jp-Stdin-input').length === 1"
+                " && !document.querySelector('input.jp-Stdin-input').value",
+                timeout=30_000,
+            )
+            nxt = page.locator("input.jp-Stdin-input")
+            nxt.fill("c")
+            nxt.press("Enter")
+            page.wait_for_function(shows, arg="[rank 1] after the debugger", timeout=30_000)
+            page.screenshot(path=str(shots / "debugger.png"))
             text = page.locator(".jp-Notebook").inner_text()
             assert "[rank 1] trained" in text
             # the ranks' pids, from the rank table %dist_init printed

@@ -193,6 +193,26 @@ def test_06_debugging(run_notebook):
     assert busy[0][0] == "HangError" and busy[0][1].startswith("Rank 1 is busy in Python")
 
 
+def test_12_debugging(run_notebook):
+    nb = run_notebook("12_debugging")
+    stop = _texts(_cell(nb, '%%distributed --answers "p w"'))
+    assert "[rank 1] (Pdb) p w" in stop and "[rank 1] tensor([2., 2., 2.])" in stop, stop
+    assert "[rank 1] tensor(12.)" in stop  # p w.sum() * 2, in rank 1's frame
+    assert "[rank 0] tensor([3., 3., 3.])" in stop  # then the all_reduce went on
+    pm = _cell(nb, "%%distributed --pdb")
+    said = _texts(pm)
+    assert "[rank 1] (Pdb) p batch.shape" in said and "[rank 1] torch.Size([5, 3])" in said, said
+    assert "[rank 1] 5" in said
+    assert _errors(pm)[0] == (
+        "RankError",
+        "rank 1 raised ValueError: rank 1 got 5 rows, expected 4",
+    )
+    differ = _texts(_cell(nb, "%dist_compare model"))
+    assert "weight" in differ and "differ" in differ, differ
+    same = [c for c in nb.cells if c.cell_type == "code" and c.source == "%dist_compare model"][1]
+    assert "agree" in _texts(same), _texts(same)
+
+
 def test_notebooks_are_stored_clean():
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
         nb = json.loads(path.read_text())

@@ -22,12 +22,13 @@ from .ranks import remote_message
 from .recovery import regain_group
 
 
-def cell_request(prepared, gather, token, shm_dir, profile, check, argv) -> tuple:
+def cell_request(prepared, gather, token, shm_dir, profile, check, argv, post_mortem) -> tuple:
     """What a rank's ``runtime.cell.run_cell_request`` is sent: one tuple, options last."""
     options = {
         "profile": profile,
         "check_collectives": check,
         "argv": list(argv) if argv else None,
+        "post_mortem": post_mortem,
         **workspace(),
     }
     p = prepared
@@ -68,6 +69,9 @@ def run(
     profile: bool = False,
     check_collectives: bool | None = None,
     argv: list[str] | tuple[str, ...] = (),
+    raw_output: bool = False,
+    post_mortem: bool = False,
+    answers: list[str] | tuple[str, ...] = (),
 ) -> CellResult:
     """Run a cell on the selected ranks at once, streaming their output live.
 
@@ -81,6 +85,10 @@ def run(
     collective's arguments across ranks before it runs, so a mismatch is an error on every
     rank instead of a hang, an abort or wrong numbers. ``argv``: the cell's ``sys.argv[1:]``
     on every rank, as a script's command line (``--args``).
+    ``raw_output``: every rank's lines as they are, none folded
+    (``DistConfig.fold_from_ranks``). ``post_mortem``: a rank that raises opens the
+    debugger where it raised, asked through the notebook (``%pdb on``); ``answers``: lines
+    given in advance to what the ranks ask (a debugger, ``input()``), in order.
     """
     check_options(hang_after, on_hang)
     cluster.require_running()
@@ -102,7 +110,9 @@ def run(
     check = cluster.config.check_collectives if check_collectives is None else check_collectives
     ar = cluster.processes.rank_view(selected).apply_async(
         rt_cell.run_cell_request,
-        cell_request(prepared, gather, token, cluster.shm_dir, how_profiled, check, argv),
+        cell_request(
+            prepared, gather, token, cluster.shm_dir, how_profiled, check, argv, post_mortem
+        ),
     )
     watch = cluster.last_watch = CellWatch(
         cluster,
@@ -115,6 +125,8 @@ def run(
         on_update,
         token=token,
         hang_action=on_hang,
+        raw_output=raw_output,
+        answers=answers,
     )
     watch.run_to_end()
     if any(v.status == "dead" for v in watch.views.values()):

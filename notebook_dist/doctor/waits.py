@@ -140,8 +140,35 @@ class GpuWait(Wait):
         )
 
 
+class DebuggerWait(Wait):
+    """A rank stopped in the debugger (or at input()), waiting for the notebook's user."""
+
+    kind = "debugger"
+
+    def _at(self, f) -> str:
+        where = self.record.get("where")
+        if not where:
+            return "?"
+        return f"line {where[1]}" if where[0] == f.cell_file else f"{where[0]}, line {where[1]}"
+
+    def text(self, f, r):
+        what = "the debugger" if self.op == "pdb" else "input()"
+        return f"{what} at {self._at(f)}, waiting for you"
+
+    def row(self, f, r):
+        state = "in the debugger" if self.op == "pdb" else "waiting for input()"
+        return _row(state, "", "", self._at(f))
+
+    def line(self, f, r):
+        where = self.record.get("where")
+        return where[1] if where and where[0] == f.cell_file else None
+
+
 def wait_of(snap: dict) -> Wait | None:
     """What a running rank's snapshot says it waits in, if anything."""
+    asking = snap.get("asking")
+    if asking:  # its user's turn: never a hang
+        return DebuggerWait(asking.get("kind", "input"), asking)
     coll = snap.get("collective")
     if coll and coll.get("kind") == "p2p":
         return P2PWait(coll["op"], coll, [coll])

@@ -216,6 +216,7 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
             k: [(float(x), float(y)) for x, y in list(v)] for k, v in list(STATE.series.items())
         },
         "reports": STATE.reports,
+        "asking": dict(STATE.asking) if STATE.asking else None,
     }
 
 
@@ -223,18 +224,38 @@ class Agent(threading.Thread):
     def __init__(self, control_file: str | None, interval: float = 0.5):
         super().__init__(name="notebook_dist-agent", daemon=True)
         self.control_file = control_file
+        # the notebook's answers to what this rank asks (runtime.debugger.ask)
+        self.answer_file = (
+            control_file.replace("release-rank-", "answer-rank-") if control_file else None
+        )
         self.interval = interval
         self._control_mtime = self._mtime()
+        self._answer_mtime = self._mtime(self.answer_file)
         self._last_publish = 0.0
         self.stopped = threading.Event()
 
-    def _mtime(self) -> float:
-        if not self.control_file:
+    def _mtime(self, path: str | None = "") -> float:
+        path = self.control_file if path == "" else path
+        if not path:
             return 0.0
         try:
-            return os.stat(self.control_file).st_mtime_ns
+            return os.stat(path).st_mtime_ns
         except OSError:
             return 0.0
+
+    def _take_answer(self) -> None:
+        """The notebook wrote an answer ("id<TAB>text") for what this rank asked."""
+        mtime = self._mtime(self.answer_file)
+        if mtime == self._answer_mtime:
+            return
+        self._answer_mtime = mtime
+        try:
+            with open(self.answer_file) as f:
+                request, _, text = f.read().partition("\t")
+        except OSError:
+            return
+        if request.isdigit():
+            STATE.answers.put((int(request), text))
 
     def _requested_token(self) -> str | None:
         try:
@@ -256,6 +277,8 @@ class Agent(threading.Thread):
                     released = release_cell(self._requested_token() or "")
                     if released is not None:
                         STATE.extras["released"] = released
+                if STATE.asking is not None:
+                    self._take_answer()
                 now = time.monotonic()
                 if STATE.cell_state == "running" and now - self._last_publish >= self.interval:
                     self._last_publish = now

@@ -113,9 +113,10 @@ def _join_group(dist, torch, backend, rank, world_size, timeout_s, device) -> No
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
     group.install_guards(dist)
-    from . import launch
+    from . import debugger, launch
 
     launch.install()
+    debugger.install()
     present_as_script()
     tracker.install(dist)
     tracker.TRACKER.device = device

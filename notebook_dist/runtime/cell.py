@@ -8,6 +8,7 @@ frames, and the exception object stays on the rank for post-mortem inspection.
 from __future__ import annotations
 
 import ast
+import bdb
 import linecache
 import sys
 import traceback
@@ -100,6 +101,7 @@ def run_cell(
     argv: list[str] | None = None,
     cwd: str | None = None,
     paths: list[str] | None = None,
+    post_mortem: bool = False,
 ) -> list:
     """Execute ``code`` in the rank's namespace; return ``pack(result)``.
 
@@ -110,6 +112,7 @@ def run_cell(
     (``notebook_dist.runtime.argcheck``). ``sys.argv`` is what a script run with ``argv``
     would have (``--args``; none by default), so argparse takes its defaults. ``cwd`` and
     ``paths``: the notebook's folder and the import paths it added, followed here.
+    ``post_mortem``: a rank that raises opens the debugger where it raised (``%pdb on``).
     """
     from .recover import CollectiveReleased
     from .workspace import follow
@@ -124,7 +127,7 @@ def run_cell(
         try:
             if not ran:
                 ran = True
-                _execute(code, filename, first_line, want_value, result, prof)
+                _execute(code, filename, first_line, want_value, result, prof, post_mortem)
             end_cell(result["status"])
             break
         except CollectiveReleased as exc:
@@ -163,7 +166,15 @@ def _begin(token: str, filename: str, profile: str | None, check: bool):
     return prof
 
 
-def _execute(code: str, filename: str, first_line: int, want_value: bool, result: dict, prof):
+def _execute(
+    code: str,
+    filename: str,
+    first_line: int,
+    want_value: bool,
+    result: dict,
+    prof,
+    post_mortem: bool = False,
+):
     """The user's code, with notebook line numbers; its value or its error into ``result``."""
     ns = user_namespace()
     try:
@@ -180,8 +191,19 @@ def _execute(code: str, filename: str, first_line: int, want_value: bool, result
         from .exits import report
 
         result["exited"] = STATE.last_exit = report(exc, filename)
+    except bdb.BdbQuit:  # q in the debugger: the cell ends here, as an interrupt does
+        result["quit"] = True
     except BaseException as exc:  # KeyboardInterrupt included: the engine lives on
         _record_error(exc, filename, result)
+        from .recover import CollectiveReleased
+
+        if post_mortem and not isinstance(exc, (KeyboardInterrupt, CollectiveReleased)):
+            from .debugger import post_mortem as debug_it
+
+            try:
+                debug_it(exc.__traceback__, filename)  # the cell's frames, live, on this rank
+            except bdb.BdbQuit:
+                pass
     finally:
         if prof is not None:
             prof.__exit__(None, None, None)
@@ -192,6 +214,7 @@ def _record_error(exc: BaseException, filename: str, result: dict) -> None:
     from .tracker import TRACKER
 
     STATE.last_error = (exc, exc.__traceback__)
+    STATE.extras["post_mortem"] = (exc.__traceback__, filename)  # for %debug, later
     result["status"] = "error"
     result["error"] = _error(exc, filename)
     failed = TRACKER.last

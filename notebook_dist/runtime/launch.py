@@ -10,6 +10,9 @@ are the processes.
   workers, a library's pool) starts as usual;
 - ``set_start_method`` of the method already set is accepted (a cell run again raised
   "context has already been set").
+
+And a progress bar (tqdm: its text bars, ``tqdm.auto``, ``tqdm.notebook``, the bars of
+Lightning and the Transformers Trainer) says which rank it is: ``[rank 1] Epoch 0``.
 """
 
 from __future__ import annotations
@@ -78,9 +81,34 @@ def _set_start_method(method, force=False):
     return _originals["set_start_method"](method, force=force)
 
 
+def label_progress_bars() -> None:
+    """Every tqdm bar's description starts with its rank (a user's or a framework's own
+    description follows)."""
+    import importlib.util
+
+    if "tqdm_init" in _originals or importlib.util.find_spec("tqdm") is None:
+        return
+    import tqdm.std
+
+    init = _originals["tqdm_init"] = tqdm.std.tqdm.__init__
+
+    def labelled(self, *args, **kwargs):
+        def label(desc):
+            return f"[rank {STATE.rank}] {desc}" if desc else f"[rank {STATE.rank}]"
+
+        if len(args) > 1:  # tqdm(iterable, desc, ...)
+            args = (args[0], label(args[1]), *args[2:])
+        else:
+            kwargs["desc"] = label(kwargs.get("desc"))
+        init(self, *args, **kwargs)
+
+    tqdm.std.tqdm.__init__ = labelled
+
+
 def install() -> None:
     """The guards, once per process (``bootstrap``)."""
-    if _originals:
+    label_progress_bars()
+    if "start" in _originals:
         return
     import multiprocessing
     import multiprocessing.process

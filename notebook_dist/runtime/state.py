@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,10 @@ class RankState:
     #: why the default group cannot be used any more ({"kind": "timeout"|"closed", "why"}),
     #: until it is made again (notebook_dist.runtime.group.note_failure)
     group_broken: dict | None = None
+    #: what this rank asks the notebook for now (runtime.debugger.ask): id, prompt, kind, where
+    asking: dict | None = None
+    #: lines the notebook answered: (request id, text), put by the agent thread
+    answers: queue.Queue = field(default_factory=queue.Queue)
     #: how the last cell ended itself (exit(), sys.exit()): notebook_dist.runtime.exits.report
     last_exit: dict | None = None
     #: "idle", "running", "done" or "error": what the current/last cell is doing here

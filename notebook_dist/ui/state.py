@@ -15,7 +15,8 @@ STRAGGLER_RATIO = 1.2  # a rank whose step time is 20% over the median is flagge
 @dataclass
 class RankRow:
     rank: int
-    state: str = "starting"  # starting, running, in collective, done, error, dead, hung
+    #: starting, running, in collective, in debugger, waiting for input, done, error, dead, hung
+    state: str = "starting"
     elapsed_s: float = 0.0
     collective: str = ""  # "all_reduce #12"
     last_output: str = ""
@@ -82,6 +83,9 @@ def _state_of(view, hung: bool) -> str:
         return "hung"
     if not view.snap:
         return "starting"
+    asking = view.snap.get("asking")
+    if asking:
+        return "in debugger" if asking.get("kind") == "pdb" else "waiting for input"
     if view.snap.get("collective"):
         return "in collective"
     return "running"

@@ -10,6 +10,8 @@ STATE_COLORS = {
     "error": "#e53935",
     "dead": "#212121",
     "hung": "#fb8c00",
+    "in debugger": "#00897b",
+    "waiting for input": "#00897b",
     "released": "#6d4c41",
     "idle": "#757575",
 }

@@ -21,9 +21,11 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from ..console import Console
 from ..doctor import Diagnosis, diagnose
 from ..doctor.facts import TRANSPORT_ERROR
-from ..execute import OutputStreamer, PreparedCell
+from ..execute import PreparedCell
+from ..output import OutputStreamer
 from . import aftermath, policy
 from .inputs import doctor_input, timed_out
 from .progress import Progress, RankView, engine_error
@@ -46,6 +48,8 @@ class CellWatch:
         on_update: Callable[[WatchView], None] | None = None,
         token: str = "",
         hang_action: str = "show",
+        raw_output: bool = False,
+        answers: list[str] | tuple[str, ...] = (),
     ):
         self.cluster = cluster
         self.config = cluster.config
@@ -62,10 +66,20 @@ class CellWatch:
         metadata = list(ar._metadata)
         self.progress = Progress(ranks, metadata, list(ar._children), token)
         self.views = self.progress.views
+        from ..ui import widgets_available
+
         self.streamer = OutputStreamer(
-            list(zip(ranks, metadata)), out, err, log_name=prepared.filename
+            list(zip(ranks, metadata)),
+            out,
+            err,
+            log_name=prepared.filename,
+            fold_from=0 if raw_output else self.config.fold_from_ranks,
+            fold_window_s=self.config.fold_window_s,
+            live=widgets_available(),
         )
         self.report = Reporter(self.streamer.stdout_stream(), prepared.filename)
+        # ranks that ask for a line (a debugger, input()): asked of the notebook's user
+        self.console = Console(cluster, self.report.line, answers=answers)
         self.started = time.time()
         self.diagnosis: Diagnosis | None = None
         self.shown_verdict: str | None = None
@@ -90,7 +104,15 @@ class CellWatch:
 
     def poll(self) -> None:
         self.streamer.poll()
-        for r in self.progress.poll(self.cluster.dead_ranks()):
+        ended = self.progress.poll(self.cluster.dead_ranks())
+        asking = any(v.snap.get("asking") for v in self.views.values() if v.status == "running")
+        if asking and not self.interrupted:
+            self.streamer.poll()  # what the rank printed before it asked, first
+            self.console.serve(self.views)
+            self.progress.last_progress = time.monotonic()  # at a prompt is not a hang
+            if self.console.quit_by is not None:
+                raise _Quit()
+        for r in ended:
             v = self.views[r]
             if v.status == "error" and policy.failed_by_release(
                 v, self.release_time, TRANSPORT_ERROR
@@ -180,6 +202,13 @@ class CellWatch:
             except _StopHung:
                 self.interrupt(quiet=True)
                 raise HangError(self.shown_verdict) from None
+            except _Quit:
+                self.console.quit_all(self.views)
+                self.interrupt(quiet=True)
+                raise CellInterrupted(
+                    f"the debugger was quit on rank {self.console.quit_by}; every rank kept "
+                    "its variables"
+                ) from None
             except KeyboardInterrupt:
                 self.interrupt()
                 stuck = self.running()
@@ -231,6 +260,10 @@ class CellWatch:
 
     def rebuild_broken_group(self) -> None:
         self.outcome = aftermath.after_broken_group(self) or self.outcome
+
+
+class _Quit(Exception):
+    """Internal: q in a rank's debugger ends the cell as an interrupt does."""
 
 
 class _StopHung(KeyboardInterrupt):

@@ -18,6 +18,9 @@ class Reporter:
         self.stream = stream
         self.cell_file = cell_file
 
+    def line(self, text: str) -> None:
+        self._say(text + "\n")
+
     def _say(self, text: str) -> None:
         self.stream.write(text)
         self.stream.flush()

@@ -10,10 +10,11 @@ verdict consistent with the table it sits under.
 
 from __future__ import annotations
 
-from . import collectives, ended, fallback, library, p2p, slow
+from . import collectives, debugger, ended, fallback, library, p2p, slow
 from .base import Rule
 
 RULES: list[Rule] = [
+    *debugger.RULES,  # ND0xx: a rank in the debugger is its user's turn, never a hang
     *ended.RULES,  # ND1xx: a rank died or raised
     *p2p.RULES,  # ND2xx: point-to-point
     *collectives.RULES,  # ND3xx: the tracked collectives diverge

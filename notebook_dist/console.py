@@ -1,0 +1,147 @@
+"""The notebook's side of ranks that ask for a line (``runtime/debugger.py``): a pdb prompt
+or ``input()`` on a rank, asked of the user through the kernel's own stdin, as ``input()``
+in an ordinary cell is (JupyterLab's input box), with the rank in the prompt:
+``[rank 1] (Pdb) ``. The answer goes to the rank's answer file, on its host.
+
+When several ranks are stopped at once, a line that starts with ``:`` is the console's:
+
+- ``:ranks`` lists the stopped ranks with where each is;
+- ``:rank N`` switches to rank N;
+- ``:all CMD`` sends CMD to every stopped rank, ``:on 0,2 CMD`` to those ranks.
+
+``q`` (or ``quit``) in a debugger ends the cell as an interrupt does: the other ranks are
+stopped too, every rank keeps its variables. A front end that cannot answer input (a run
+with no stdin) gets ``c`` (continue) sent for it, and one note.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+
+from .phrases import rank_list
+
+QUIT = ("q", "quit", "exit")
+#: commands after which a rank runs on: the console may turn to another rank
+GOES_ON = ("c", "cont", "continue", *QUIT)
+HELP = (
+    "notebook_dist: a line starting with ':' is for the ranks' console: :ranks (the stopped "
+    "ranks), :rank N (switch), :all CMD (to every stopped rank), :on 0,2 CMD (to those)."
+)
+
+
+class Console:
+    def __init__(self, cluster, say, ask: Callable[[str], str] | None = None, answers=()):
+        self.cluster = cluster
+        self.say = say  # writes a line to the cell's output
+        self._ask = ask
+        self.scripted = list(answers)  # --answers: given in advance, in order
+        self.current: int | None = None
+        #: the rank that was just sent a command it answers with another prompt (n, p x):
+        #: the console waits for that prompt before it turns to another rank
+        self.sticky: int | None = None
+        self.answered: dict[int, int] = {}  # rank -> the last request id answered
+        self.quit_by: int | None = None
+        self.no_stdin = False
+
+    def waiting(self, views) -> dict[int, dict]:
+        """Ranks that ask and have not been answered: rank -> what it asks."""
+        out = {}
+        for r, v in views.items():
+            asking = v.snap.get("asking") if v.status == "running" else None
+            if asking and self.answered.get(r) != asking["id"]:
+                out[r] = asking
+        return out
+
+    def serve(self, views) -> bool:
+        """Ask the user for one rank that waits (blocking until answered); True if any rank
+        waits for a line (so no hang is diagnosed meanwhile)."""
+        waiting = self.waiting(views)
+        sticky = self.sticky
+        if sticky is not None and sticky not in waiting and views[sticky].status == "running":
+            return True  # its next prompt is coming
+        self.sticky = None
+        if not waiting:
+            return any(v.snap.get("asking") for v in views.values() if v.status == "running")
+        if self.current not in waiting:
+            self.current = min(waiting)
+        r = self.current
+        line = self._line(f"[rank {r}] {waiting[r]['prompt']}", waiting[r]["kind"])
+        if line.startswith(":"):
+            self._meta(line, waiting)
+            return True
+        self.send(r, waiting[r], line)
+        return True
+
+    def _line(self, prompt: str, kind: str) -> str:
+        if self.scripted:
+            line = self.scripted.pop(0)
+            self.say(f"{prompt}{line}")
+            return line
+        if self.no_stdin:
+            return "c" if kind == "pdb" else "\x04"
+        try:
+            return (self._ask or builtins.input)(prompt)
+        except Exception as exc:  # StdinNotImplementedError: the front end cannot answer
+            if type(exc).__name__ != "StdinNotImplementedError":
+                raise
+            self.no_stdin = True
+            self.say(
+                "notebook_dist: a rank asks for a line, and this front end cannot answer input "
+                "(run the cell in JupyterLab, or give the lines with --answers); the debugger "
+                "continues (c) and input() sees the end of its input."
+            )
+            return "c" if kind == "pdb" else "\x04"
+
+    def send(self, rank: int, asking: dict, line: str) -> None:
+        from .cluster import engines
+
+        processes = self.cluster.processes
+        path = processes.control_file(rank, "answer")
+        engines.write_on_host(processes.host_launcher(rank), path, f"{asking['id']}\t{line}")
+        self.answered[rank] = asking["id"]
+        if asking["kind"] == "pdb" and line.strip() in QUIT:
+            self.quit_by = rank
+        if asking["kind"] == "pdb" and line.strip().split(" ")[0] not in GOES_ON:
+            self.sticky = rank
+
+    def _meta(self, line: str, waiting: dict[int, dict]) -> None:
+        word, _, rest = line[1:].strip().partition(" ")
+        if word == "ranks":
+            self.say(
+                "notebook_dist: stopped: "
+                + "; ".join(
+                    f"rank {r}: {a['prompt'].strip()} at {_where(a)}"
+                    for r, a in sorted(waiting.items())
+                )
+            )
+        elif word == "rank" and rest.strip().isdigit():
+            chosen = int(rest)
+            if chosen in waiting:
+                self.current = chosen
+            else:
+                self.say(f"notebook_dist: rank {chosen} is not waiting for a line.")
+        elif word in ("all", "on"):
+            spec, _, cmd = ("all", " ", rest) if word == "all" else rest.partition(" ")
+            try:
+                chosen = self.cluster.select(spec) if spec != "all" else sorted(waiting)
+            except Exception as exc:
+                self.say(f"notebook_dist: {exc}")
+                return
+            targets = [r for r in chosen if r in waiting]
+            for r in targets:
+                self.send(r, waiting[r], cmd.strip())
+            self.say(f"notebook_dist: sent {cmd.strip()!r} to {rank_list(targets)}.")
+        else:
+            self.say(HELP)
+
+    def quit_all(self, views) -> None:
+        """After q: every other rank in a debugger quits too."""
+        for r, asking in self.waiting(views).items():
+            if asking["kind"] == "pdb":
+                self.send(r, asking, "q")
+
+
+def _where(asking: dict) -> str:
+    where = asking.get("where")
+    return f"{where[0]}, line {where[1]}" if where else "?"

@@ -1,0 +1,142 @@
+"""A debugger and ``input()`` on a rank, answered from the notebook.
+
+An engine's stdin is at its end: ``breakpoint()`` returned at once and ``input()`` raised
+EOFError. Here a rank that needs a line *asks*: :func:`ask` puts its prompt in the rank's
+report (published at once), and waits for the line the notebook writes to the rank's answer
+file, which the agent thread reads. The notebook asks its user through the kernel's own
+stdin (JupyterLab's input box), with the rank in the prompt (``[rank 1] (Pdb) ``).
+
+- ``breakpoint()``, ``pdb.set_trace()`` and ``torch.distributed.breakpoint()`` stop the
+  rank that calls them in :class:`RankPdb`, a pdb whose prompts are asked this way;
+- ``input(prompt)`` asks the same way and returns the answer on that rank;
+- a cell run with post-mortem on (IPython's ``%pdb on``, ``%%distributed --pdb``) opens the
+  debugger where a rank raised, in the cell's own frames only; ``%debug`` after a failed
+  cell does the same later (:func:`post_mortem`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import os
+import pdb
+import queue
+import sys
+
+from .state import STATE
+
+_ids = itertools.count(1)
+
+
+def _cell_where(frame) -> tuple[str, int] | None:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("Cell In["):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def ask(prompt: str, kind: str = "input", where: tuple[str, int] | None = None) -> str:
+    """A line from the notebook's user: the prompt goes in this rank's report; the answer
+    comes back through the agent. Interruptible (the stop button ends the wait)."""
+    from .agent import publish, snapshot
+
+    request = next(_ids)
+    for stream in (sys.stdout, sys.stderr):  # what the rank printed first is seen first
+        stream.flush()
+    STATE.asking = {
+        "id": request,
+        "prompt": prompt,
+        "kind": kind,
+        "where": where or _cell_where(sys._getframe(1)),
+    }
+    publish(snapshot())
+    try:
+        while True:
+            try:
+                got, text = STATE.answers.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if got == request:
+                if text == "\x04":  # the notebook cannot answer: the end of the input
+                    raise EOFError("the notebook's front end cannot answer input")
+                return text
+    finally:
+        STATE.asking = None
+
+
+class RankPdb(pdb.Pdb):
+    """pdb whose every prompt is asked through the notebook (``[rank 1] (Pdb) ``)."""
+
+    def __init__(self):
+        # nosigint: the stop button interrupts the cell, as in any cell (pdb's own handler
+        # would only stop at the next line)
+        super().__init__(stdin=sys.stdin, stdout=sys.stdout, nosigint=True)
+        self.use_rawinput = True  # cmd.Cmd then calls input(): ours, below
+        self.prompt = "(Pdb) "
+
+    def cmdloop(self, intro=None):
+        saved = builtins.input
+        builtins.input = self._ask
+        try:
+            super().cmdloop(intro)
+        finally:
+            builtins.input = saved
+
+    def _ask(self, prompt: str = "") -> str:
+        frame = getattr(self, "curframe", None)
+        where = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
+        try:
+            return ask(prompt, "pdb", where)
+        except KeyboardInterrupt:  # the stop button: leave the debugger, end the cell
+            return "q"
+
+
+def set_trace(*, header: str | None = None) -> None:
+    """``pdb.set_trace()`` and ``breakpoint()`` on a rank: stop here, asked from the notebook."""
+    debugger = RankPdb()
+    if header is not None:
+        debugger.message(header)
+    debugger.set_trace(sys._getframe(1))
+
+
+def dist_breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
+    """``torch.distributed.breakpoint(rank)``: ``rank`` stops in the debugger, the others
+    wait for it in a barrier, as torch's own does (which opens /dev/stdin instead)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        frame = sys._getframe(1 + skip)
+        RankPdb().set_trace(frame)
+    dist.barrier()
+
+
+def post_mortem(tb=None, cell_file: str | None = None) -> None:
+    """The debugger where a cell raised, its frames from the cell's own down (never the
+    tool's): ``tb`` (default: the last failed cell's on this rank)."""
+    if tb is None:
+        saved = STATE.extras.get("post_mortem")
+        if saved is None:
+            raise RuntimeError("no cell has raised on this rank: there is nothing to debug")
+        tb, cell_file = saved
+    while tb is not None and cell_file and tb.tb_frame.f_code.co_filename != cell_file:
+        tb = tb.tb_next
+    if tb is None:
+        return
+    debugger = RankPdb()
+    debugger.reset()
+    debugger.interaction(None, tb)
+
+
+def install() -> None:
+    """breakpoint(), pdb.set_trace, torch.distributed.breakpoint and input() ask the notebook."""
+    sys.breakpointhook = set_trace
+    os.environ.pop("PYTHONBREAKPOINT", None)
+    pdb.set_trace = set_trace
+    builtins.input = lambda prompt="": ask(str(prompt), "input")
+    try:
+        import torch.distributed as dist
+
+        dist.breakpoint = dist_breakpoint
+    except ImportError:
+        pass

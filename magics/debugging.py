@@ -156,7 +156,9 @@ class DebugMagics(Magics):
 
     @magic_arguments()
     @argument("file", help="the script to write, e.g. train.py")
-    @argument("--cells", default=None, help="cell numbers to export, e.g. 3-7,9 (default: all)")
+    @argument(
+        "--cells", default=None, help="cell numbers to export, e.g. 3-7,9, or last (default: all)"
+    )
     @line_magic
     def dist_export(self, line: str = ""):
         """Write the distributed cells that ran, in order, as a script for torchrun.

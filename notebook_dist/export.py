@@ -9,6 +9,7 @@ the cells run unchanged.
 
 from __future__ import annotations
 
+import ast
 import textwrap
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,21 +45,31 @@ import torch.distributed as dist
 
 import notebook_dist as nd
 
+'''
+
+INIT = """
 if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
 else:
     dist.init_process_group("gloo")
-'''
+"""
+
+#: a script pasted into a cell makes its own group (the notebook skipped that call)
+OWN_INIT = """
+# The process group is made by the init_process_group() call below, as the script did
+# under torchrun (in the notebook the cluster's group stood in for it).
+"""
 
 # The last barrier's handle is kept until exit: otherwise Gloo's worker thread may free it
 # while Python shuts down, which aborts the process (rarely; seen in about 1 run in 50).
 FOOTER = """
 # Every rank is done before any tears the group down. The handle is kept so the barrier
 # is freed here at exit, not on Gloo's worker thread while Python shuts down.
-_last = dist.barrier(async_op=True)
-_last.wait()
-dist.destroy_process_group()
+if dist.is_initialized():  # a script pasted into a cell may have destroyed it itself
+    _last = dist.barrier(async_op=True)
+    _last.wait()
+    dist.destroy_process_group()
 """
 
 
@@ -79,7 +90,8 @@ def to_script(cells: list[ExportCell], world_size: int, name: str = "script.py")
     parts = [
         HEADER.format(
             date=datetime.now().strftime("%Y-%m-%d %H:%M"), world_size=world_size, name=name
-        )
+        ),
+        OWN_INIT if any(_makes_group(c) for c in cells) else INIT,
     ]
     for cell in cells:
         if cell.kind == "kernel":
@@ -102,15 +114,36 @@ def to_script(cells: list[ExportCell], world_size: int, name: str = "script.py")
     return "".join(parts)
 
 
+def _makes_group(cell: ExportCell) -> bool:
+    """Whether a distributed cell calls ``init_process_group`` itself (a pasted script)."""
+    if cell.kind != "distributed":
+        return False
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError:
+        return False
+    return any(
+        isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) or getattr(node.func, "id", None))
+        == "init_process_group"
+        for node in ast.walk(tree)
+    )
+
+
 def select_cells(cells: list[ExportCell], spec: str | None) -> list[ExportCell]:
-    """``--cells 3-7,9`` keeps the cells whose In[N] is in the spec (all by default)."""
+    """``--cells 3-7,9`` keeps the cells whose In[N] is in the spec (all by default);
+    ``last`` is the last distributed cell that ran."""
     if not spec:
         return list(cells)
     wanted: set[int] = set()
     for part in spec.split(","):
         lo, sep, hi = part.strip().partition("-")
+        if lo == "last" and not sep:
+            ran = [c.number for c in cells if c.kind == "distributed"]
+            wanted.update(ran[-1:])
+            continue
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ExportError(f"bad --cells {spec!r}: give cell numbers like 3-7,9")
+            raise ExportError(f"bad --cells {spec!r}: give cell numbers like 3-7,9, or last")
         wanted.update(range(int(lo), int(hi or lo) + 1))
     return [c for c in cells if c.number in wanted]
 

@@ -2,7 +2,9 @@
 
 Reads the growing per-message output ipyparallel accumulates for each rank. A complete line
 is written at once (``[rank 1] loss 0.3``); a partial line waits for its end or the cell's.
-Three things make many ranks' output read as one program's:
+A rank's stdout and stderr lines (prints, warnings, ``logging``) come out in the order the
+rank wrote them: the rank sends them so (``runtime.streams``) and :func:`in_order` notes
+the order they land in. Three things make many ranks' output read as one program's:
 
 - **Carriage returns** (progress lines, ``print(f"\\rstep {i}", end="")``): a line keeps only
   its last state. While it is still being rewritten, the notebook shows its current state
@@ -20,13 +22,17 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 import time
 from collections import deque
 from typing import Any, TextIO
 
 from .phrases import rank_span
+from .runtime.streams import UPDATE
 
+STREAMS = ("stdout", "stderr")
+NOTE = "notebook_dist:"  # how the tool's own notes on a rank begin
 MAX_LINES_PER_RANK = 2000
 MAX_BYTES_PER_RANK = 1 << 20
 
@@ -60,13 +66,17 @@ class OutputStreamer:
         self.dropped: dict[tuple[int, str], int] = {}
         self._offsets: dict[tuple[int, str], int] = {}
         self._partial: dict[tuple[int, str], str] = {}
-        #: lines waiting to be folded: (line, since when it waits, its turn in line)
-        self._pending: dict[tuple[int, str], deque] = {}
+        #: each rank's lines waiting to be folded: (stream, line, since when, turn in line)
+        self._pending: dict[int, deque] = {}
+        self._order_seen: dict[int, int] = {}
         self._turns = itertools.count()
         self._displays: dict[tuple[int, str], Any] = {}  # live progress lines
         self._outputs_seen: dict[int, int] = {}
+        self._display_ids: set[str] = set()  # a rank's displays the notebook shows (by id)
         self.lines_written = 0
         self.last_line: dict[int, str] = {}  # per rank, for the dashboard
+        for _, md in sources:
+            in_order(md)  # from now on, the order the two streams grow in is noted
 
     def _stream(self, name: str) -> TextIO:
         if name == "stderr":
@@ -81,53 +91,79 @@ class OutputStreamer:
 
     def poll(self) -> None:
         for rank, md in self.sources:
-            for name in ("stdout", "stderr"):
-                text = md.get(name) or ""
-                key = (rank, name)
-                start = self._offsets.get(key, 0)
-                if len(text) <= start:
-                    continue
-                self._offsets[key] = len(text)
-                if key in self._logs:  # capped: the rest goes to the log only
-                    self._logs[key].write(text[start:])
-                    continue
-                self._take(rank, name, self._partial.pop(key, "") + text[start:], text)
+            for name, end in self._grown(rank, md):
+                self._read_lines(rank, name, md.get(name) or "", end)
+            for name in STREAMS:
+                self._read_partial(rank, name, md.get(name) or "")
             self._republish_outputs(rank, md)
         self._release(time.monotonic())
 
-    def _take(self, rank: int, name: str, text: str, full: str) -> None:
-        """Complete lines of ``text`` kept (up to the cap), the rest waits for its end."""
+    def _grown(self, rank: int, md: dict) -> list[tuple[str, int]]:
+        """Which stream grew, in the order the rank's messages came, each with where its
+        complete lines end then. ipyparallel keeps one string per stream; the order
+        between the two is kept by :class:`_InOrder` (else stdout's lines come first)."""
+        order = in_order(md)
+        if order is None:
+            return [(name, (md.get(name) or "").rfind("\n") + 1) for name in STREAMS]
+        seen = self._order_seen.get(rank, 0)
+        grown = order[seen:]
+        self._order_seen[rank] = seen + len(grown)
+        return grown
+
+    def _read_lines(self, rank: int, name: str, text: str, end: int) -> None:
+        """The complete lines of one stream up to ``end``. What comes before a stream's
+        last line end never changes; ipyparallel rewrites only the line being written
+        (it keeps a carriage-return line's last state)."""
         key = (rank, name)
-        *lines, rest = text.split("\n")
+        start = self._offsets.get(key, 0)
+        if end <= start:
+            return
+        self._offsets[key] = end
+        if key in self._logs:  # capped: the rest goes to the log only
+            self._logs[key].write(text[start:end])
+            return
+        self._take(rank, name, text[start:end].split("\n")[:-1], text[:end])
+
+    def _read_partial(self, rank: int, name: str, text: str) -> None:
+        """The line a rank is still writing: shown live while it is rewritten in place (a
+        progress line), written out when it ends or at the cell's end."""
+        key = (rank, name)
+        rest, before = text[self._offsets.get(key, 0) :], self._partial.get(key, "")
+        if rest == before:
+            return
+        self._partial[key] = rest
+        if key in self._logs:
+            return
+        if self._bytes.get(key, 0) + len(rest) > self.max_bytes:
+            self._start_log(key, text[: self._offsets.get(key, 0)])  # one enormous line
+            return
+        rewritten = "\r" in rest or not rest.startswith(before) or key in self._displays
+        if rest and rewritten:
+            self._show_live(key, last_state(rest))
+
+    def _take(self, rank: int, name: str, lines: list[str], upto: str) -> None:
+        """``lines`` kept (up to the cap), written or queued for folding."""
+        key = (rank, name)
         shown, nbytes = self._shown.get(key, 0), self._bytes.get(key, 0)
         keep = []
-        capped = False
-        for line in lines:
-            line = last_state(line)
+        for raw in lines:
+            line = last_state(raw)
+            if line != raw and not line.strip():
+                continue  # nothing left to see: a cleared progress line, a cursor control
             if shown >= self.max_lines or nbytes + len(line) > self.max_bytes:
-                capped = True
+                self._start_log(key, upto)
                 break
             keep.append(line)
             shown += 1
             nbytes += len(line) + 1
-        if not capped and rest:
-            if nbytes + len(rest) > self.max_bytes:
-                capped = True  # one enormous line: do not hold it, do not show it
-            else:
-                self._partial[key] = rest
-                if "\r" in rest:
-                    self._show_live(key, last_state(rest))
-        if capped:
-            self._partial.pop(key, None)
-            self._start_log(key, full)
         self._shown[key], self._bytes[key] = shown, nbytes
         for line in keep:
-            if line.strip():
-                self.last_line[rank] = line
+            if line.strip() and not line.startswith(NOTE):
+                self.last_line[rank] = line  # the user's line, not the tool's note
         if keep and self.fold:
             now = time.monotonic()
-            queue = self._pending.setdefault(key, deque())
-            queue.extend((line, now, next(self._turns)) for line in keep)
+            queue = self._pending.setdefault(rank, deque())
+            queue.extend((name, line, now, next(self._turns)) for line in keep)
         elif keep:
             self._write([rank], name, keep)
 
@@ -157,24 +193,24 @@ class OutputStreamer:
     def _release(self, now: float, final: bool = False) -> None:
         """Folding: the oldest waiting line goes out once every rank has printed it (one
         line, their ranks), or when it has waited ``fold_window_s`` (with the ranks that
-        have printed it by then), or at the cell's end."""
-        for name in ("stdout", "stderr"):
-            while True:
-                heads = {r: q[0] for (r, n), q in self._pending.items() if n == name and q}
-                if not heads:
-                    break
-                oldest = min(heads, key=lambda r: heads[r][1:])
-                text, arrived, _ = heads[oldest]
-                alike = sorted(r for r, (line, _, _) in heads.items() if line == text)
-                every = len(alike) == len(self.ranks)
-                if not (every or final or now - arrived >= self.fold_window_s):
-                    break
-                for r in alike:
-                    q = self._pending[(r, name)]
-                    q.popleft()
-                    if q:  # the next line waits its own moment, from now, for its copies
-                        q[0] = (q[0][0], max(q[0][1], now), next(self._turns))
-                self._write(alike, name, [text])
+        have printed it by then), or at the cell's end. A rank's lines, on either stream,
+        wait in one queue: they go out in the order the rank wrote them."""
+        while True:
+            heads = {r: q[0] for r, q in self._pending.items() if q}
+            if not heads:
+                break
+            oldest = min(heads, key=lambda r: heads[r][2:])
+            name, text, arrived, _ = heads[oldest]
+            alike = sorted(r for r, head in heads.items() if head[:2] == (name, text))
+            every = len(alike) == len(self.ranks)
+            if not (every or final or now - arrived >= self.fold_window_s):
+                break
+            for r in alike:
+                q = self._pending[r]
+                q.popleft()
+                if q:  # the next line waits its own moment, from now, for its copies
+                    q[0] = (*q[0][:2], max(q[0][2], now), next(self._turns))
+            self._write(alike, name, [text])
 
     def _show_live(self, key: tuple[int, str], state: str) -> None:
         """A rewritten line's current state, in a display of its own (notebooks only)."""
@@ -189,8 +225,9 @@ class OutputStreamer:
         else:
             handle.update(text, raw=True)
 
-    def _start_log(self, key: tuple[int, str], full: str) -> None:
-        """Past the cap: everything the rank printed in this cell goes to a file."""
+    def _start_log(self, key: tuple[int, str], upto: str) -> None:
+        """Past the cap: everything the rank printed in this cell goes to a file (``upto``
+        so far, the rest as it comes)."""
         import tempfile
 
         folder = os.path.join(tempfile.gettempdir(), f"notebook_dist-logs-{os.getuid()}")
@@ -198,7 +235,7 @@ class OutputStreamer:
         rank, name = key
         path = os.path.join(folder, f"{self.log_name}-rank{rank}-{name}.log".replace(" ", "_"))
         f = open(path, "w")  # noqa: SIM115 - closed in finish()
-        f.write(full)
+        f.write(upto)
         self._logs[key] = f
 
     def _republish_outputs(self, rank: int, md: dict) -> None:
@@ -208,28 +245,49 @@ class OutputStreamer:
         if len(outputs) <= seen:
             return
         self._outputs_seen[rank] = len(outputs)
-        try:
-            from IPython.display import publish_display_data
-        except ImportError:
+        if not in_kernel():  # a script or a terminal: each display's text, as the rank's
+            for output in outputs[seen:]:
+                text = output.get("data", {}).get("text/plain")
+                if text and not _NO_TEXT.match(text) and UPDATE not in output.get("metadata", {}):
+                    self._put([rank], "stdout", text.removeprefix(f"[rank {rank}] ").split("\n"))
             return
+        from IPython.display import publish_display_data
+
         for output in outputs[seen:]:
             data = dict(output.get("data", {}))
-            if "text/plain" in data:
-                data["text/plain"] = f"[rank {rank}] " + data["text/plain"]
+            metadata = dict(output.get("metadata") or {})
+            update = metadata.pop(UPDATE, False)
+            shown_id = (output.get("transient") or {}).get("display_id")
+            transient = {"display_id": f"rank{rank}-{shown_id}"} if shown_id else {}
+            if update:  # applied to the display it updates, if the notebook shows it
+                if transient and transient["display_id"] in self._display_ids:
+                    publish_display_data(data, metadata, transient=transient, update=True)
+                continue
+            label = f"[rank {rank}]"
+            if "text/plain" in data and not data["text/plain"].startswith(label):
+                data["text/plain"] = f"{label} " + data["text/plain"]
             rich = set(data) - {"text/plain"}
             if rich and not rich <= {"application/vnd.jupyter.widget-view+json"}:
                 publish_display_data(  # a label above a figure or a table
                     {
-                        "text/plain": f"[rank {rank}]",
+                        "text/plain": label,
                         "text/html": f"<div class='nd-rank-label' style='font-size:11px;"
                         f"color:#777'>rank {rank}</div>",
                     },
                 )
-            publish_display_data(data, output.get("metadata", {}))
+            publish_display_data(data, metadata, transient=transient or None)
+            if transient:
+                self._display_ids.add(transient["display_id"])
 
     def finish(self) -> None:
         self.poll()
         self._release(time.monotonic(), final=True)
+        for (rank, name), rest in sorted(self._partial.items()):  # lines without an end
+            if (rank, name) in self._logs:
+                self._logs[(rank, name)].write(rest)
+            elif rest:
+                self._write([rank], name, [last_state(rest)])
+        self._partial.clear()
         for key, f in sorted(self._logs.items()):
             rank, name = key
             f.flush()
@@ -243,16 +301,34 @@ class OutputStreamer:
                 f"(cap: {self.max_lines:,} lines or {self.max_bytes // 1024:,} KiB per rank); "
                 f"all {size / 2**20:.1f} MiB are in {f.name}\n"
             )
-        for (rank, name), rest in sorted(self._partial.items()):
-            self._write([rank], name, [last_state(rest)])
-        self._partial.clear()
+
+
+#: where a terminal line is rewritten: a carriage return, or "erase the line" (Rich)
+_REWRITE = re.compile(r"\r|\x1b\[2K")
+#: terminal controls other than colours (cursor moves and visibility, erasing, links):
+#: a notebook shows colours and nothing of the rest
+_CONTROLS = re.compile(r"\x1b\[[0-9;?]*[A-Za-ln-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
 
 
 def last_state(line: str) -> str:
-    """What a line rewritten with carriage returns shows last ('\\rstep 0\\rstep 4' -> 'step 4');
-    a Windows line end (a final '\\r') is no rewrite."""
-    line = line.rstrip("\r")
-    return line.rsplit("\r", 1)[-1] if "\r" in line else line
+    """What a line rewritten in place shows last ('\\rstep 0\\rstep 4' -> 'step 4'; Rich's
+    erase-line controls alike), colours kept and other terminal controls dropped; a Windows
+    line end (a final '\\r') is no rewrite."""
+    line = _REWRITE.split(line.rstrip("\r"))[-1]
+    return _CONTROLS.sub("", line) if "\x1b" in line else line
+
+
+#: the text of a display that has no text of its own ("<IPython.core.display.HTML object>")
+_NO_TEXT = re.compile(r"^<[\w.]+ object(?: at 0x[0-9a-f]+)?>$")
+
+
+def in_kernel() -> bool:
+    """Whether this process is a notebook's kernel (displays reach a front end)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return getattr(get_ipython(), "kernel", None) is not None
 
 
 def _count_lines(path: str) -> int:
@@ -261,3 +337,34 @@ def _count_lines(path: str) -> int:
         for block in iter(lambda: f.read(1 << 20), b""):
             n += block.count(b"\n")
     return n
+
+
+try:
+    from ipyparallel.client.client import Metadata as _Metadata
+except ImportError:  # pragma: no cover - ipyparallel is a dependency
+    _Metadata = None
+
+if _Metadata is not None:
+
+    class _InOrder(_Metadata):
+        """ipyparallel's metadata of one message that also notes, as each stream
+        message lands, which stream grew and where its complete lines then end."""
+
+        def __setitem__(self, key, value):
+            super().__setitem__(key, value)
+            if key in STREAMS:
+                self.__dict__["_notebook_dist_order"].append((key, value.rfind("\n") + 1))
+
+
+def in_order(md: dict) -> list[tuple[str, int]] | None:
+    """The order ``md``'s two streams grew in, from now on (what came before comes
+    stdout first), or None for metadata that is not ipyparallel's."""
+    order = getattr(md, "__dict__", {}).get("_notebook_dist_order")
+    if order is not None:
+        return order
+    if _Metadata is None or type(md) is not _Metadata:
+        return None
+    order = md.__dict__["_notebook_dist_order"] = []
+    object.__setattr__(md, "__class__", _InOrder)
+    order.extend((name, (md[name] or "").rfind("\n") + 1) for name in STREAMS)
+    return order

@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import io
 import os
+import queue
 import shutil
 import signal
 import sys
@@ -211,6 +212,64 @@ def executed_notebooks(tmp_path_factory):
     """Where the tutorial tests leave each executed notebook, for the site to show (and
     not execute again): tests/test_site.py builds it from these."""
     return tmp_path_factory.mktemp("executed-notebooks")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """A kernel started in a folder of its own with 2 CPU ranks, and a front end that
+    answers input requests as JupyterLab's input box does (jupyter_client's stdin
+    channel). ``kernel(code, answers)`` runs a cell, answering each input request with the
+    next answer ("c" when they run out), and returns (everything the cell showed, the
+    prompts it asked, the error name or None); ``messages`` (a list) also gets each output
+    message as (type, stream name or display id, text, the display's data)."""
+    from jupyter_client.manager import start_new_kernel
+
+    folder = tmp_path_factory.mktemp("kernel")
+    env = dict(os.environ, IPYTHONDIR=str(folder / "ipython"))
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(folder))
+
+    def run(code: str, answers=(), timeout: float = 120, messages: list | None = None):
+        answers = list(answers)
+        messages = [] if messages is None else messages
+        msg_id = kc.execute(code, allow_stdin=True)
+        texts, prompts, error = [], [], None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                req = kc.get_stdin_msg(timeout=0.05)
+                prompts.append(req["content"]["prompt"])
+                kc.input(answers.pop(0) if answers else "c")
+            except queue.Empty:
+                pass
+            try:
+                msg = kc.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            c, kind = msg["content"], msg["msg_type"]
+            if kind == "stream":
+                texts.append(c["text"])
+                messages.append((kind, c["name"], c["text"], {}))
+            elif kind == "error":
+                error = c["ename"]
+                texts.append(f"{c['ename']}: {c['evalue']}\n")
+            elif kind in ("execute_result", "display_data", "update_display_data"):
+                plain = c["data"].get("text/plain", "")
+                if kind != "update_display_data":
+                    texts.append(plain + "\n")
+                display_id = c.get("transient", {}).get("display_id")
+                messages.append((kind, display_id, plain, c["data"]))
+            elif kind == "status" and c["execution_state"] == "idle":
+                return "".join(texts), prompts, error
+        raise AssertionError(f"no end within {timeout} s: {''.join(texts)[-2000:]}")
+
+    out, _, error = run("%load_ext notebook_dist\n%dist_init -n 2")
+    assert error is None, out
+    yield run
+    run("%dist_shutdown")
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
 
 
 @pytest.fixture

@@ -4,61 +4,9 @@ channel), on 2 CPU ranks."""
 
 from __future__ import annotations
 
-import os
-import queue
-import time
-
 import pytest
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    from jupyter_client.manager import start_new_kernel
-
-    folder = tmp_path_factory.mktemp("debugger")
-    env = dict(os.environ, IPYTHONDIR=str(folder / "ipython"))
-    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(folder))
-
-    def run(code: str, answers=(), timeout: float = 120):
-        """Run ``code``; answer each input request with the next of ``answers``. Returns
-        (everything the cell showed, the prompts it asked, the error name or None)."""
-        answers = list(answers)
-        msg_id = kc.execute(code, allow_stdin=True)
-        texts, prompts, error = [], [], None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                req = kc.get_stdin_msg(timeout=0.05)
-                prompts.append(req["content"]["prompt"])
-                kc.input(answers.pop(0) if answers else "c")
-            except queue.Empty:
-                pass
-            try:
-                msg = kc.get_iopub_msg(timeout=0.05)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            c, kind = msg["content"], msg["msg_type"]
-            if kind == "stream":
-                texts.append(c["text"])
-            elif kind == "error":
-                error = c["ename"]
-                texts.append(f"{c['ename']}: {c['evalue']}\n")
-            elif kind in ("execute_result", "display_data"):
-                texts.append(c["data"].get("text/plain", "") + "\n")
-            elif kind == "status" and c["execution_state"] == "idle":
-                return "".join(texts), prompts, error
-        raise AssertionError(f"no end within {timeout} s: {''.join(texts)[-2000:]}")
-
-    out, _, error = run("%load_ext notebook_dist\n%dist_init -n 2")
-    assert error is None, out
-    yield run
-    run("%dist_shutdown")
-    kc.stop_channels()
-    km.shutdown_kernel(now=True)
 
 
 def test_breakpoint_on_one_rank_asks_the_notebook_while_the_other_waits(kernel):

@@ -31,8 +31,19 @@ def test_script_shape():
     assert "# ---- In [5]: %%rank 0 ----\nif dist.get_rank() in (0,):\n    print(x)\n" in text
     assert "# ---- In [6] ----\nz = 1\n" in text  # 0-1 is every rank of 2
     assert [c.number for c in select_cells(cells, "3,5-6")] == [3, 5, 6]
+    assert [c.number for c in select_cells(cells, "last")] == [6]  # the last distributed one
+    assert [c.number for c in select_cells(cells, "3,last")] == [3, 6]
     with pytest.raises(ValueError, match="bad --cells"):
         select_cells(cells, "x")
+    assert text.count("dist.init_process_group(") == 2  # nccl or gloo, made by the script
+
+
+def test_a_pasted_script_makes_its_own_group_when_exported():
+    pasted = "def main():\n    dist.init_process_group('gloo')\n    dist.destroy_process_group()\n"
+    text = to_script([ExportCell(7, "distributed", pasted + "main()\n")], 2, "pasted.py")
+    compile(text, "pasted.py", "exec")
+    assert text.count("dist.init_process_group(") == 1  # the script's own, not a second one
+    assert "if dist.is_initialized():" in text  # the end does not use a group it destroyed
 
 
 def test_exported_ddp_notebook_trains_the_same_under_torchrun(live, run, ip, tmp_path):

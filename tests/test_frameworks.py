@@ -92,7 +92,7 @@ model = Tiny()
 before = model.layer.weight.detach().clone()
 trainer = L.Trainer(
     accelerator="cpu", devices=2, strategy="ddp", max_steps=5, logger=False,
-    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    enable_checkpointing=False, enable_model_summary=False,
 )
 trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
 (
@@ -110,6 +110,10 @@ def test_lightning_trainer_with_ddp(cluster):
         assert env == "TorchElasticEnvironment"  # it used our ranks: no processes of its own
         assert equal and moved and kids == 0
     assert "notebook_dist:" not in said, said  # no note of ours (the group was not touched)
+    # Lightning's own bar (Rich's), shown on rank 0 as Lightning does, at its last state
+    bars = [line for line in said.splitlines() if "Epoch" in line and "━" in line]
+    assert len(bars) == 1 and bars[0].startswith("[rank 0] Epoch"), said
+    assert "\x1b[2K" not in said and "\x1b[?25h" not in said  # no terminal controls
 
 
 FABRIC = """
@@ -190,7 +194,7 @@ class Tokens(torch.utils.data.Dataset):
 
 args = TrainingArguments(
     output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=4, report_to=[],
-    save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    save_strategy="no", logging_strategy="no",
 )
 trainer = Trainer(model=model, args=args, train_dataset=Tokens())
 trainer.train()
@@ -205,6 +209,25 @@ def test_transformers_trainer_on_a_tiny_gpt2(cluster):
         0: (2, 0, "ParallelMode.DISTRIBUTED", 3, True),
         1: (2, 1, "ParallelMode.DISTRIBUTED", 3, True),
     }
+    assert "HTML object>" not in said  # its bar has no text to show outside a notebook
+
+
+def test_the_transformers_trainers_own_bar_shows_and_advances_in_the_notebook(kernel):
+    messages: list = []
+    kernel("%%distributed\n" + REPLICAS_EQUAL)
+    out, _, error = kernel("%%distributed\n" + TRANSFORMERS, messages=messages, timeout=240)
+    assert error is None, out
+    bars = {}  # the Trainer's HTML bar, on the main process, by display id: its states
+    for kind, display_id, _, data in messages:
+        if "<progress" in data.get("text/html", ""):
+            bars.setdefault(display_id, []).append((kind, data["text/html"]))
+    # one bar per rank (the Trainer draws one on each process), each under its rank's label
+    assert sorted(k.split("-")[0] for k in bars) == ["rank0", "rank1"], bars
+    labels = [data.get("text/plain") for _, _, _, data in messages if "nd-rank-label" in str(data)]
+    assert sorted(labels) == ["[rank 0]", "[rank 1]"], labels
+    for states in bars.values():  # shown once, then updated in place to its last step
+        assert [kind for kind, _ in states][:2] == ["display_data", "update_display_data"]
+        assert "value='3' max='3'" in states[-1][1], states[-1]
 
 
 TENSOR_PARALLEL = """

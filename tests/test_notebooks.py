@@ -230,6 +230,12 @@ def test_07_beyond(run_notebook):
     assert "'LOCAL_WORLD_SIZE': '2'" in text
     assert "wrote train.py: 4 distributed cells" in text and "if dist.get_rank() in (0,):" in text
     assert "the torchrun script trained the same model: True" in text
+    # a torchrun script pasted into a cell, then exported back: the same training, both ways
+    pasted = _texts(_cell(nb, '%%distributed --args "--steps 20"'))
+    said = re.search(r"\[rank 0\] (trained 20 steps: weight sum -?[\d.]+)", pasted)
+    assert said and "init_process_group() call is skipped" in pasted, pasted
+    assert "wrote pasted.py: 1 distributed cell." in text
+    assert said.group(1) in _texts(_cell(nb, 'run = subprocess.run([sys.executable, "-m", "torch'))
 
 
 def test_the_warning_check_sees_each_kind_of_warning():
@@ -285,9 +291,15 @@ def test_09_fault_tolerance(run_notebook):
 
 def test_10_frameworks(run_notebook):
     nb = run_notebook("10_frameworks")
-    assert "('TorchElasticEnvironment', 2, 8, True)" in _texts(
-        _cell(nb, "%%distributed\nimport warnings\n\nimport lightning")
-    )
+    lightning = _texts(_cell(nb, "%%distributed\nimport warnings\n\nimport lightning"))
+    assert "('TorchElasticEnvironment', 2, 8, True)" in lightning
+    # Lightning's own bar, on rank 0 as under torchrun, at its last state (8 of 8 steps)
+    bars = [line for line in lightning.splitlines() if line.startswith("[rank 0] Epoch 1/1")]
+    assert len(bars) == 1 and "4/4" in bars[0], lightning
+    trainer = _cell(nb, "%%distributed\nimport tempfile")
+    bars = [o for o in trainer.outputs if "<progress" in o.get("data", {}).get("text/html", "")]
+    assert len(bars) == 2, trainer.outputs  # one per rank, each updated to its last step
+    assert all("<progress value='16' max='16'" in o["data"]["text/html"] for o in bars), bars
     assert "('DistributedType.MULTI_CPU', 2, True)" in _texts(
         _cell(nb, "%%distributed\nfrom accelerate")
     )

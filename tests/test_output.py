@@ -1,6 +1,8 @@
-"""The ranks' output as the notebook shows it (notebook_dist.output), on synthetic streams:
-carriage-return lines end at their last state, identical lines of many ranks fold into one,
-one rank's lines keep their order. A 4-rank cluster checks the folding end to end."""
+"""The ranks' output as the notebook shows it (notebook_dist.output). On synthetic streams
+(ipyparallel's own metadata, filled as its client fills it): carriage-return lines end at
+their last state, identical lines of many ranks fold into one, one rank's lines keep their
+order, on stdout and stderr together. End to end: a 4-rank cluster folds, and a kernel
+with 2 ranks shows progress lines live and in order, as JupyterLab gets them."""
 
 from __future__ import annotations
 
@@ -19,6 +21,71 @@ def streamer(n: int, **kw):
     return OutputStreamer(list(zip(range(n), mds)), out, io.StringIO(), **kw), mds, out
 
 
+class Said:
+    """Both streams of the notebook in one list, in the order they were written."""
+
+    def __init__(self):
+        self.lines: list[tuple[str, str]] = []
+
+    def stream(self, name: str):
+        said = self
+
+        class Stream(io.StringIO):
+            def write(self, text):
+                said.lines.extend((name, line) for line in text.splitlines())
+                return len(text)
+
+        return Stream()
+
+
+def land(md, name: str, text: str) -> None:
+    """One stream message of a rank, kept in its metadata as ipyparallel's client keeps
+    it (Client._dispatch_iopub: appended, and a carriage-return line cut to its last
+    state with ipyparallel's own pattern)."""
+    from ipyparallel.client.client import _cr_pat
+
+    new = (md[name] or "") + text
+    md[name] = _cr_pat.sub("", new) if "\r" in text else new
+
+
+def metadata_streamer(n: int, **kw):
+    from ipyparallel.client.client import Metadata
+
+    said = Said()
+    mds = [Metadata() for _ in range(n)]
+    s = OutputStreamer(list(zip(range(n), mds)), said.stream("stdout"), said.stream("stderr"), **kw)
+    return s, mds, said
+
+
+def test_a_progress_line_sent_in_many_messages_ends_at_its_last_state():
+    s, mds, said = metadata_streamer(2)
+    for i in range(5):  # a slow loop: one message per state, the notebook polling between
+        land(mds[0], "stdout", f"\rstep {i}")
+        land(mds[1], "stdout", f"step {i}\r")  # the other way progress lines are written
+        s.poll()
+    land(mds[1], "stdout", "\n")
+    s.finish()
+    assert said.lines == [("stdout", "[rank 1] step 4"), ("stdout", "[rank 0] step 4")]
+
+
+def test_stdout_and_stderr_keep_the_order_the_rank_wrote_them_in():
+    for fold_from in (0, 2):  # streamed as it comes, and folded
+        s, mds, said = metadata_streamer(2, fold_from=fold_from, fold_window_s=0.05)
+        for md in mds:
+            land(md, "stdout", "loading\n")
+            land(md, "stderr", "WARNING: slow disk\n")
+            land(md, "stdout", "loaded\n")
+            land(md, "stderr", "notebook_dist: a note of the tool\n")
+        s.poll()  # one poll sees both streams grown
+        s.finish()
+        names = "ranks 0, 1" if fold_from else "rank 0"
+        mine = [(n, line) for n, line in said.lines if line.startswith(f"[{names}] ")]
+        assert [n for n, _ in mine] == ["stdout", "stderr", "stdout", "stderr"], said.lines
+        assert mine[1][1].endswith("WARNING: slow disk") and mine[2][1].endswith("loaded")
+        # the dashboard's last output is the user's last line, not the tool's note
+        assert s.last_line == {0: "loaded", 1: "loaded"}
+
+
 def test_a_line_rewritten_with_carriage_returns_ends_at_its_last_state():
     s, mds, out = streamer(2)
     mds[0]["stdout"] = "".join(f"\rstep {i}" for i in range(5))  # print(..., end="")
@@ -28,6 +95,15 @@ def test_a_line_rewritten_with_carriage_returns_ends_at_its_last_state():
     s.finish()
     assert out.getvalue() == "[rank 1] step 1\n[rank 0] step 4\n"
     assert last_state("done\r") == "done" and last_state("a\rb\r") == "b"  # Windows ends
+
+
+def test_terminal_controls_keep_colours_and_drop_the_rest():
+    s, mds, out = streamer(1)
+    # Rich's progress line (Lightning's default bar), a cursor shown again, a cleared bar
+    bar = "\x1b[35m━━━━\x1b[0m 8/8"
+    mds[0]["stdout"] = f"\r\x1b[2KEpoch 0 {bar} 0%\r\x1b[2KEpoch 0 {bar}\n\x1b[?25h\n\r   \rdone\n"
+    s.finish()
+    assert out.getvalue() == f"[rank 0] Epoch 0 {bar}\n[rank 0] done\n"
 
 
 def test_fewer_ranks_than_fold_from_stream_as_they_are():
@@ -72,6 +148,65 @@ def test_rank_spans_read_as_ranges():
     assert rank_span([0, 2, 5]) == "ranks 0, 2, 5"
     assert rank_span([0, 1, 2, 3, 6]) == "ranks 0-3, 6"
     assert rank_span([4, 5]) == "ranks 4, 5"
+
+
+@pytest.mark.slow
+def test_a_progress_line_shows_live_and_ends_at_its_last_state_in_the_notebook(kernel):
+    messages: list = []
+    out, _, error = kernel(
+        "%%distributed\nimport time\nfor i in range(5):\n"
+        "    print(f'\\rstep {i}', end='', flush=True)\n    time.sleep(0.4)\nprint()\n",
+        messages=messages,
+    )
+    assert error is None, out
+    saved = saved_outputs(messages)
+    for r in range(2):
+        shown = [(kind, text) for kind, _, text, _ in messages if text.startswith(f"[rank {r}]")]
+        live = [text for kind, text in shown if kind == "update_display_data"]
+        assert len(live) >= 2 and live[-1] == f"[rank {r}] step 4", shown  # updated live
+        mine = [text for text in saved if text.startswith(f"[rank {r}]")]
+        assert mine == [f"[rank {r}] step 4"], saved  # what the saved notebook keeps
+
+
+def saved_outputs(messages) -> list[str]:
+    """The outputs a notebook keeps, in order: a display's last update in its place."""
+    kept: list[str] = []
+    where: dict[str, int] = {}
+    for kind, name, text, _ in messages:
+        if kind == "update_display_data":
+            kept[where[name]] = text
+            continue
+        if kind == "display_data" and name:
+            where[name] = len(kept)
+        kept.extend(text.splitlines() if kind == "stream" else [text])
+    return kept
+
+
+@pytest.mark.slow
+def test_prints_warnings_and_logging_come_in_the_order_the_rank_wrote_them(kernel):
+    messages: list = []
+    out, _, error = kernel(
+        "%%distributed\nimport logging, sys, warnings\nlog = logging.getLogger('train')\n"
+        "logging.basicConfig(level=logging.INFO, force=True)\n"
+        "for step in range(3):\n    print(f'print {step}')\n"
+        "    log.info(f'log {step}')\n    print(f'err {step}', file=sys.stderr)\n"
+        "warnings.warn('a warning')\nprint('the end')",
+        messages=messages,
+    )
+    assert error is None, out
+    for r in range(2):
+        lines = [
+            (name, line.split("] ", 1)[1])
+            for kind, name, text, _ in messages
+            if kind == "stream"
+            for line in text.splitlines()
+            if line.startswith(f"[rank {r}] ")
+        ]
+        said = [line.split(":")[-1].strip() if "INFO" in line else line for _, line in lines]
+        want = [w for step in range(3) for w in (f"print {step}", f"log {step}", f"err {step}")]
+        assert said[:9] == want, lines
+        assert "a warning" in said[9] and said[-1] == "the end", lines
+        assert [name for name, _ in lines[:3]] == ["stdout", "stderr", "stderr"], lines
 
 
 @pytest.mark.slow

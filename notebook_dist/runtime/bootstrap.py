@@ -113,10 +113,12 @@ def _join_group(dist, torch, backend, rank, world_size, timeout_s, device) -> No
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
     group.install_guards(dist)
-    from . import debugger, launch
+    from . import debugger, launch, streams
 
     launch.install()
     debugger.install()
+    streams.keep_in_order()
+    streams.forward_display_updates()
     present_as_script()
     tracker.install(dist)
     tracker.TRACKER.device = device

@@ -18,38 +18,6 @@ from ..values import describe_unpicklable, pack
 from .state import STATE, user_namespace
 
 
-def _drain_fd(stream, timeout: float = 5.0) -> None:
-    """Wait until what the cell wrote to the stream's file descriptor (os.write, C
-    libraries, subprocesses) has been read by ipykernel's pipe thread, so it is part of
-    this cell's output and not the next one's."""
-    import fcntl
-    import termios
-    import time
-
-    fid, thread = getattr(stream, "_fid", None), getattr(stream, "watch_fd_thread", None)
-    if fid is None or thread is None or not thread.is_alive():
-        return
-    deadline = time.monotonic() + timeout
-    buf = bytearray(4)
-    while time.monotonic() < deadline:
-        try:
-            fcntl.ioctl(fid, termios.FIONREAD, buf)
-        except OSError:
-            return
-        frame = sys._current_frames().get(thread.ident)
-        # empty pipe, and the thread back in os.read: everything read has been written
-        if int.from_bytes(buf, sys.byteorder) == 0 and _reading(frame):
-            return
-        time.sleep(0.001)
-
-
-def _reading(frame) -> bool:
-    if frame is None or frame.f_code.co_name != "_watch_pipe_fd":
-        return True  # not the thread we know: nothing to wait for
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-    return "os.read(" in line
-
-
 def _register_source(filename: str, source: str) -> None:
     lines = source.splitlines(keepends=True)
     linecache.cache[filename] = (len(source), None, lines, filename)
@@ -139,9 +107,9 @@ def run_cell(
     from .group import note_env_changes
 
     note_env_changes()
-    for stream in (sys.stdout, sys.stderr):
-        _drain_fd(stream)
-        stream.flush()
+    from .streams import drain
+
+    drain()
     return _reply(result, gather, shm_dir, prof)
 
 

@@ -82,27 +82,42 @@ def _set_start_method(method, force=False):
 
 
 def label_progress_bars() -> None:
-    """Every tqdm bar's description starts with its rank (a user's or a framework's own
-    description follows)."""
+    """A widget progress bar (``tqdm.notebook``, and ``tqdm.auto`` where it picks widgets)
+    says its rank before its description, also when a framework sets the description
+    later (Lightning's "Epoch 0"). A text bar is a line of the rank's stream, which the
+    notebook already shows as the rank's: it is left as it is."""
     import importlib.util
 
     if "tqdm_init" in _originals or importlib.util.find_spec("tqdm") is None:
         return
     import tqdm.std
 
-    init = _originals["tqdm_init"] = tqdm.std.tqdm.__init__
+    cls = tqdm.std.tqdm
+    init = _originals["tqdm_init"] = cls.__init__
+    set_description = _originals["tqdm_set_description"] = cls.set_description
+    set_description_str = _originals["tqdm_set_description_str"] = cls.set_description_str
 
-    def labelled(self, *args, **kwargs):
-        def label(desc):
-            return f"[rank {STATE.rank}] {desc}" if desc else f"[rank {STATE.rank}]"
+    def label(bar, desc):
+        if not any(c.__module__ == "tqdm.notebook" for c in type(bar).__mro__):
+            return desc
+        return f"[rank {STATE.rank}] {desc}" if desc else f"[rank {STATE.rank}]"
 
+    def labelled_init(self, *args, **kwargs):
         if len(args) > 1:  # tqdm(iterable, desc, ...)
-            args = (args[0], label(args[1]), *args[2:])
+            args = (args[0], label(self, args[1]), *args[2:])
         else:
-            kwargs["desc"] = label(kwargs.get("desc"))
+            kwargs["desc"] = label(self, kwargs.get("desc"))
         init(self, *args, **kwargs)
 
-    tqdm.std.tqdm.__init__ = labelled
+    def labelled_set_description(self, desc=None, refresh=True):
+        set_description(self, label(self, desc), refresh)
+
+    def labelled_set_description_str(self, desc=None, refresh=True):
+        set_description_str(self, label(self, desc), refresh)
+
+    cls.__init__ = labelled_init
+    cls.set_description = labelled_set_description
+    cls.set_description_str = labelled_set_description_str
 
 
 def install() -> None:

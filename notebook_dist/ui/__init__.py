@@ -12,12 +12,9 @@ from .state import DashboardState, RankRow, build
 
 def widgets_available() -> bool:
     """True inside a Jupyter kernel whose front end can show ipywidgets."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    if ip is None or getattr(ip, "kernel", None) is None:
+    from ..output import in_kernel
+
+    if not in_kernel():
         return False  # terminal IPython, a plain script
     try:
         import ipywidgets  # noqa: F401

@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from .phrases import rank_list
+
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     """name -> leaf for modules (their state_dict), optimizers, dicts, lists and tuples."""
@@ -119,15 +121,13 @@ class Comparison:
         ]
         w = max(len(d.name) for d in self.differences)
         for d in self.differences:
-            ranks = ", ".join(map(str, d.ranks))
+            ranks = rank_list(d.ranks)
             if d.what == "values":
                 lines.append(
-                    f"  {d.name.ljust(w)}  ranks {ranks}: max abs diff {d.max_abs:.3g}, max rel diff {d.max_rel:.3g}"
+                    f"  {d.name.ljust(w)}  {ranks}: max abs diff {d.max_abs:.3g}, max rel diff {d.max_rel:.3g}"
                 )
             else:
-                lines.append(
-                    f"  {d.name.ljust(w)}  ranks {ranks}: {d.what} differs {d.detail}".rstrip()
-                )
+                lines.append(f"  {d.name.ljust(w)}  {ranks}: {d.what} differs {d.detail}".rstrip())
         return "\n".join(lines)
 
     def __repr__(self) -> str:

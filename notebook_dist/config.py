@@ -47,7 +47,10 @@ class DistConfig:
 
     output_grace_s: float = 15.0
     """When every rank has finished, how long to wait for the rest of their output (a big
-    output on a busy machine can take seconds; a dead rank's never comes: 1 s then)."""
+    output on a busy machine can take seconds)."""
+
+    output_grace_dead_s: float = 1.0
+    """The same when a rank died: a dead rank's end of output never comes."""
 
     fold_from_ranks: int = 4
     """From this many ranks up, a line that several ranks print alike is shown once with

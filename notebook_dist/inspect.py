@@ -11,6 +11,7 @@ from typing import Any
 
 from .compare import Comparison, merge
 from .errors import UsageMistake
+from .phrases import rank_list
 from .runtime import inspect as rt_inspect
 from .values import RankValues, unpack
 
@@ -106,7 +107,7 @@ def failed_ranks(cluster) -> list[int]:
     watch = cluster.last_watch
     if watch is None:
         return []
-    return sorted(r for r, v in watch.views.items() if v.status == "error")
+    return sorted(r for r, v in watch.view().views.items() if v.status == "error")
 
 
 def debug(cluster, rank: int | None = None, expr: str | None = None, frame: int = 0) -> FrameView:
@@ -121,8 +122,8 @@ def debug(cluster, rank: int | None = None, expr: str | None = None, frame: int 
     cluster.select(rank)
     if rank not in failed:
         raise InspectError(
-            f"rank {rank} did not raise in the last cell; rank{'s' if len(failed) > 1 else ''} that did: "
-            f"{', '.join(map(str, failed))} (use --rank {failed[0]})"
+            f"rank {rank} did not raise in the last cell; "
+            f"{rank_list(failed, 'rank that did:', 'ranks that did:')} (use --rank {failed[0]})"
         )
     if frame < 0:
         raise InspectError("--frame counts up from 0 (where it raised): give 0 or more")

@@ -28,8 +28,8 @@ import time
 from collections import deque
 from typing import Any, TextIO
 
+from .displays import DisplayRelay
 from .phrases import rank_span
-from .runtime.streams import UPDATE
 
 STREAMS = ("stdout", "stderr")
 NOTE = "notebook_dist:"  # how the tool's own notes on a rank begin
@@ -71,8 +71,7 @@ class OutputStreamer:
         self._order_seen: dict[int, int] = {}
         self._turns = itertools.count()
         self._displays: dict[tuple[int, str], Any] = {}  # live progress lines
-        self._outputs_seen: dict[int, int] = {}
-        self._display_ids: set[str] = set()  # a rank's displays the notebook shows (by id)
+        self.displays = DisplayRelay(lambda rank, lines: self._put([rank], "stdout", lines))
         self.lines_written = 0
         self.last_line: dict[int, str] = {}  # per rank, for the dashboard
         for _, md in sources:
@@ -95,7 +94,7 @@ class OutputStreamer:
                 self._read_lines(rank, name, md.get(name) or "", end)
             for name in STREAMS:
                 self._read_partial(rank, name, md.get(name) or "")
-            self._republish_outputs(rank, md)
+            self.displays.relay(rank, md)
         self._release(time.monotonic())
 
     def _grown(self, rank: int, md: dict) -> list[tuple[str, int]]:
@@ -238,47 +237,6 @@ class OutputStreamer:
         f.write(upto)
         self._logs[key] = f
 
-    def _republish_outputs(self, rank: int, md: dict) -> None:
-        """A rank's rich outputs (figures, tables, widgets), each said to be that rank's."""
-        outputs = md.get("outputs") or []
-        seen = self._outputs_seen.get(rank, 0)
-        if len(outputs) <= seen:
-            return
-        self._outputs_seen[rank] = len(outputs)
-        if not in_kernel():  # a script or a terminal: each display's text, as the rank's
-            for output in outputs[seen:]:
-                text = output.get("data", {}).get("text/plain")
-                if text and not _NO_TEXT.match(text) and UPDATE not in output.get("metadata", {}):
-                    self._put([rank], "stdout", text.removeprefix(f"[rank {rank}] ").split("\n"))
-            return
-        from IPython.display import publish_display_data
-
-        for output in outputs[seen:]:
-            data = dict(output.get("data", {}))
-            metadata = dict(output.get("metadata") or {})
-            update = metadata.pop(UPDATE, False)
-            shown_id = (output.get("transient") or {}).get("display_id")
-            transient = {"display_id": f"rank{rank}-{shown_id}"} if shown_id else {}
-            if update:  # applied to the display it updates, if the notebook shows it
-                if transient and transient["display_id"] in self._display_ids:
-                    publish_display_data(data, metadata, transient=transient, update=True)
-                continue
-            label = f"[rank {rank}]"
-            if "text/plain" in data and not data["text/plain"].startswith(label):
-                data["text/plain"] = f"{label} " + data["text/plain"]
-            rich = set(data) - {"text/plain"}
-            if rich and not rich <= {"application/vnd.jupyter.widget-view+json"}:
-                publish_display_data(  # a label above a figure or a table
-                    {
-                        "text/plain": label,
-                        "text/html": f"<div class='nd-rank-label' style='font-size:11px;"
-                        f"color:#777'>rank {rank}</div>",
-                    },
-                )
-            publish_display_data(data, metadata, transient=transient or None)
-            if transient:
-                self._display_ids.add(transient["display_id"])
-
     def finish(self) -> None:
         self.poll()
         self._release(time.monotonic(), final=True)
@@ -316,19 +274,6 @@ def last_state(line: str) -> str:
     line end (a final '\\r') is no rewrite."""
     line = _REWRITE.split(line.rstrip("\r"))[-1]
     return _CONTROLS.sub("", line) if "\x1b" in line else line
-
-
-#: the text of a display that has no text of its own ("<IPython.core.display.HTML object>")
-_NO_TEXT = re.compile(r"^<[\w.]+ object(?: at 0x[0-9a-f]+)?>$")
-
-
-def in_kernel() -> bool:
-    """Whether this process is a notebook's kernel (displays reach a front end)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return getattr(get_ipython(), "kernel", None) is not None
 
 
 def _count_lines(path: str) -> int:

@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -115,14 +114,15 @@ def lab(tmp_path):
         start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def answers() -> bool:
         try:
             urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-            break
+            return True
         except OSError:
-            time.sleep(0.3)
-    else:
+            return False
+
+    if not wait_until(answers, 60, every_s=0.3):
         proc.kill()
         pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
     yield {

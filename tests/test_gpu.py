@@ -15,10 +15,8 @@ hypothesis, and collection should not fail on them) and run the command it print
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from conftest import until_verdict
+from conftest import until_verdict, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -134,14 +132,17 @@ def test_a_rank_in_a_long_kernel_is_busy_on_the_gpu_and_is_interrupted(one_gpu):
     )
     print(f"\nlong kernel: verdict and interrupt after {took:.1f} s")
     # the kernel cannot be stopped; once it ends the rank is idle and kept its variables
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    kept = {}
+
+    def idle() -> bool:
         try:
-            r = one_gpu.run("kept")
-            break
+            kept["r"] = one_gpu.run("kept")
+            return True
         except Exception:
-            time.sleep(1)
-    assert dict(r.values) == {0: "still here"}
+            return False
+
+    assert wait_until(idle, 30, every_s=1)
+    assert dict(kept["r"].values) == {0: "still here"}
     if not one_gpu.run("dist.is_initialized()").values[0]:  # released while it ran: rebuild
         one_gpu.rebuild_process_group()
     r = one_gpu.run("t = torch.ones(1, device=nd.device)\ndist.all_reduce(t)\nt.item()")

@@ -146,14 +146,14 @@ def hosts(tmp_path_factory):
             "-o",
             "LogLevel=ERROR",
         ]
-        deadline = time.monotonic() + 30
         for addr in HOSTS.values():
-            while True:
-                r = sh("ssh", *ssh_opts, f"root@{addr}", "hostname", check=False)
-                if r.returncode == 0:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"sshd on {addr} did not answer: {r.stderr}")
+            if not wait_until(
+                lambda addr=addr: (
+                    sh("ssh", *ssh_opts, f"root@{addr}", "hostname", check=False).returncode == 0
+                ),
+                30,
+            ):
+                raise RuntimeError(f"sshd on {addr} did not answer")
                 time.sleep(0.3)
 
         def exists_on(addr: str, path: str) -> bool:
@@ -402,8 +402,7 @@ def test_ssh_ranks_end_when_their_controller_dies(hosts):
         assert all(flag in psutil.Process(p).cmdline() for p in pids)
         os.kill(cluster.processes.ipp.controller.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() - t0 < 90:
-            time.sleep(0.2)
+        wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 90, every_s=0.2)
         took = time.monotonic() - t0
         assert not [p for p in pids if psutil.pid_exists(p)], "engines outlived their controller"
         print(f"engines on the hosts ended {took:.1f} s after their controller")

@@ -123,13 +123,13 @@ def slurm(tmp_path_factory):
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)  # sbatch/squeue here, and the engines (--export=ALL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def idle() -> bool:
             info = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-            if info.stdout.strip() in ("idle", "mixed"):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"slurmd never became idle: {info.stdout} {info.stderr}")
+            return info.stdout.strip() in ("idle", "mixed")
+
+        if not wait_until(idle, 60):
+            raise RuntimeError("slurmd never became idle (sinfo -h -o %T)")
             time.sleep(0.3)
         yield conf
     finally:

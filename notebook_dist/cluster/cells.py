@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from ..errors import ClusterError, OptionError, TransferError
 from ..execute import CellResult, PreparedCell, collect, prepare_cell
+from ..phrases import rank_list
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import cell as rt_cell
 from ..values import RankValues, pack_named, unpack
@@ -98,13 +99,7 @@ def run(
     gather = list(gather)
     if cluster.group_lost:
         regain_group(cluster, out)
-    offsets: dict[int, int] = {}
-    how_profiled = None
-    if profile:
-        aligned = len(selected) == cluster.world_size  # the ranks start at one barrier
-        how_profiled = "aligned" if aligned else "alone"
-        if not aligned:  # no barrier puts their machines on one clock: the kernel estimates
-            offsets = clock_offsets(cluster, selected)
+    how_profiled, offsets = _profiling(cluster, selected) if profile else (None, {})
     t0 = time.perf_counter()
     token = uuid.uuid4().hex
     check = cluster.config.check_collectives if check_collectives is None else check_collectives
@@ -130,7 +125,7 @@ def run(
     )
     watch.run_to_end()
     if any(v.status == "dead" for v in watch.views.values()):
-        raise ClusterError((watch.final or watch.diagnose()).verdict)
+        raise ClusterError((watch.final or watch.verdicts.diagnose()).verdict)
     results = [watch.views[r].result for r in selected]
     result = _collected(watch, selected, results, gather, out)
     result.elapsed_s = time.perf_counter() - t0
@@ -177,6 +172,14 @@ def push_modules(cluster, names: list[str], ranks: Any = None) -> list[str]:
         apply(cluster, rt_workspace.install_module, name, source, origin, ranks=ranks)
         sent.append(name)
     return sent
+
+
+def _profiling(cluster, selected: list[int]) -> tuple[str, dict[int, int]]:
+    """How a profiled cell's ranks are put on one clock: at the barrier it begins with
+    ("aligned", every rank), else by the kernel's estimate of each one's offset ("alone")."""
+    if len(selected) == cluster.world_size:
+        return "aligned", {}
+    return "alone", clock_offsets(cluster, selected)
 
 
 def _collected(watch, selected: list[int], results: list, gather: list[str], out) -> CellResult:
@@ -260,8 +263,7 @@ def pull(cluster, names: list[str] | str, ranks: Any = None) -> dict[str, RankVa
         for name, value in res["values"].items():
             out[name][rank] = value
     for name, where in missing.items():
-        noun = "rank" if len(where) == 1 else "ranks"
-        problems.insert(0, f"{name!r} is not defined on {noun} {', '.join(map(str, where))}")
+        problems.insert(0, f"{name!r} is not defined on {rank_list(where)}")
     if problems:
         raise TransferError("; ".join(problems))
     return {name: RankValues(v, name=name) for name, v in out.items()}

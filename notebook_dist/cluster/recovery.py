@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from ..errors import ClusterError
 from ..execute import PreparedCell
+from ..phrases import rank_list
 from ..runtime import recover as rt_recover
 from . import engines
 from .ranks import remote_message, rendezvous_port
@@ -102,8 +103,7 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
             said = "; ".join(f"rank {r}: {why}" for r, why in sorted(broken.items()))
             cluster.group_lost = f"the GPU cannot be used any more ({said})"
             raise ClusterError(
-                f"the GPU cannot be used any more on {'rank' if len(broken) == 1 else 'ranks'} "
-                f"{', '.join(map(str, sorted(broken)))} ({said}). %dist_restart starts fresh "
+                f"the GPU cannot be used any more on {rank_list(broken)} ({said}). %dist_restart starts fresh "
                 "engines: every rank's variables are lost (add --replay to re-run your setup cells)"
             )
         failed = {r: info["error"] for r, info in done.items() if info.get("error")}

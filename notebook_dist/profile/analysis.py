@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from ..bandwidth import busbw, size_of
+from ..phrases import rank_list
 from ..runtime.profiler import union
 from .model import OpTime, Profile, RankTime
 from .trace import trace_events
@@ -237,7 +238,7 @@ def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, str]
         for c in [per_rank[rank]]
     )
     op_text = ops.most_common(1)[0][0] + ("s" if matched > 1 else "")
-    who = f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+    who = rank_list(others)
     fact = (
         f"rank {rank} arrived last at {times} of {matched} {op_text}, "
         f"{statistics.fmean(late_ns[rank]) / 1e6:.0f} ms late on average: {who} waited "

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..phrases import rank_list
+
 
 @dataclass
 class RankTime:
@@ -54,8 +56,7 @@ class Profile:
             return (
                 f"No verdict: torch's Flight Recorder, by which the profile matches each "
                 f"collective across the ranks, recorded none of this cell's collectives on "
-                f"rank{'s' if len(self.unrecorded) > 1 else ''} "
-                f"{', '.join(map(str, self.unrecorded))} (torch before 2.8 records none on Gloo; "
+                f"{rank_list(self.unrecorded)} (torch before 2.8 records none on Gloo; "
                 "TORCH_FR_BUFFER_SIZE=0 turns it off), so time in collectives, waiting for "
                 "peers and compute are not known."
             )

@@ -12,7 +12,7 @@ from .state import DashboardState, RankRow, build
 
 def widgets_available() -> bool:
     """True inside a Jupyter kernel whose front end can show ipywidgets."""
-    from ..output import in_kernel
+    from ..displays import in_kernel
 
     if not in_kernel():
         return False  # terminal IPython, a plain script

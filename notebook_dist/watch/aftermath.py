@@ -31,7 +31,7 @@ def after_broken_group(watch) -> str | None:
     if not gone:
         return None
     timed = timed_out(watch.views)
-    why = watch.diagnose(before_release=True).verdict if timed else None
+    why = watch.verdicts.diagnose(before_release=True).verdict if timed else None
     said = watch.report.broke(timed, gone, watch.config.timeout_s, why)
     took, failed = rebuild(watch.cluster)
     if failed is not None:

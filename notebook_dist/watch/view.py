@@ -45,37 +45,37 @@ class WatchView:
     @property
     def shown_verdict(self) -> str | None:
         """The verdict the cell showed live for a hang, if it did."""
-        return self._w.shown_verdict
+        return self._w.verdicts.shown
 
     @property
     def diagnosis(self) -> Diagnosis | None:
         """The last diagnosis made (live), if any."""
-        return self._w.diagnosis
+        return self._w.verdicts.diagnosis
 
     @property
     def hung(self) -> bool:
-        return bool(self._w.shown_verdict) and not self.finished
+        return bool(self._w.verdicts.shown) and not self.finished
 
     def verdict(self) -> str | None:
         """The final verdict once the cell ended; while it runs, the one shown for a hang."""
         final = self._w.final
         if final is not None:
             return final.verdict
-        diag = self._w.diagnosis
-        return diag.verdict if self._w.shown_verdict and diag else None
+        diag = self._w.verdicts.diagnosis
+        return diag.verdict if self._w.verdicts.shown and diag else None
 
     def diagnosis_now(self) -> Diagnosis:
         """While the cell runs, the doctor on the ranks now; after it, the record's verdict
         on the ranks as they were when the hang showed or they were released."""
         if not self.finished:
-            return self._w.diagnose()
-        return self._w.final or self._w.diagnose(before_release=True)
+            return self._w.verdicts.diagnose()
+        return self._w.final or self._w.verdicts.diagnose(before_release=True)
 
     def stacks(self, ranks: list[int]) -> str:
         """Every chosen rank's stack, and when it was taken."""
         w = self._w
-        frozen = w.frozen is not None and self.finished
-        snaps = w.frozen if frozen else {r: v.snap for r, v in w.views.items()}
+        frozen = w.verdicts.frozen is not None and self.finished
+        snaps = w.verdicts.frozen if frozen else {r: v.snap for r, v in w.views.items()}
         when = (
             "now"
             if not self.finished

@@ -96,6 +96,23 @@ if __name__ == "__main__":
     run_demo(demo_basic, world_size)
 """
 
+# demo_basic as the tutorial writes it for GPUs: the model on the rank's GPU by number
+DDP_TUTORIAL_AS_WRITTEN = DDP_TUTORIAL_CPU.replace(
+    "    model = ToyModel()\n    ddp_model = DDP(model)\n",
+    "    model = ToyModel().to(rank)\n    ddp_model = DDP(model, device_ids=[rank])\n",
+)
+assert DDP_TUTORIAL_AS_WRITTEN != DDP_TUTORIAL_CPU
+
+# a worker process from a module beside the notebook, as run.py-style scripts start them
+WORKER = """
+import sys
+
+
+def work(rank):
+    print(f"worker of rank {rank} fails", file=sys.stderr)
+    raise RuntimeError("the worker failed")
+"""
+
 # the same tutorial as written for GPUs: it checks the GPU count first
 DDP_TUTORIAL_GPU = """
 import torch
@@ -217,6 +234,7 @@ def kernel(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("pasted")
     (folder / "datautils.py").write_text(DATAUTILS)
+    (folder / "worker.py").write_text(WORKER)
     (folder / "src").mkdir()
     (folder / "src" / "helpers_of_mine.py").write_text("ANSWER = 42\n")
     env = dict(os.environ, IPYTHONDIR=str(folder / "ipython"))
@@ -284,6 +302,49 @@ def test_the_gpu_count_check_ends_with_the_hint(kernel):
     assert "AssertionError" in said and "Requires at least 2 GPUs" in said, said
     assert "notebook_dist: this rank has no GPU: torch.cuda.device_count() is 0" in said
     assert "at line 4 (`assert n_gpus >= 2, " in said
+
+
+def test_the_tutorial_as_written_for_gpus_names_the_line_and_the_change(kernel):
+    run, _ = kernel
+    said = run(cell(DDP_TUTORIAL_AS_WRITTEN))
+    assert "ERROR" in said, said
+    assert "notebook_dist: this rank has no GPU (a CPU rank, on Gloo): use `nd.device` in " in said
+    assert "in place of `rank` at line " in said and "(`model = ToyModel().to(rank)`)" in said
+
+
+def test_ddp_device_ids_and_a_gpu_count_modulo_get_their_hints(kernel):
+    run, _ = kernel
+    said = run(
+        cell(
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "ddp = DDP(torch.nn.Linear(2, 2), device_ids=[nd.rank])"
+        )
+    )
+    assert "ValueError" in said, said
+    assert "this rank has no GPU: leave out device_ids at line 3" in said
+    said = run(cell("local = nd.rank % torch.cuda.device_count()"))
+    assert "ZeroDivisionError" in said, said
+    assert "this rank has no GPU: torch.cuda.device_count() is 0" in said
+    assert "at line 2 (`local = nd.rank % torch.cuda.device_count()`)" in said
+
+
+def test_a_cell_whose_child_process_failed_does_not_end_green(kernel):
+    run, _ = kernel
+    said = run(
+        cell(
+            """
+            import multiprocessing, worker
+            p = multiprocessing.get_context("fork").Process(target=worker.work, args=(nd.rank,))
+            p.start()
+            p.join()
+            "joined"
+            """
+        )
+    )
+    assert "ERROR" in said and "ChildProcessFailed" in said, said[-3000:]
+    assert "target work) exited with code 1: a process this cell started failed" in said
+    assert "[rank 0] 'joined'" not in said
+    assert "[rank 0] 0\n[rank 1] 1" in run(cell("nd.rank")), "the ranks stay"
 
 
 def test_mp_process_targets_from_a_cell_are_refused_and_a_rerun_says_the_same(kernel):

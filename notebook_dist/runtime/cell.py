@@ -155,6 +155,9 @@ def _execute(
         if last is not None:
             result["value"] = eval(compile(last, filename, "eval"), ns)
             result["has_value"] = True
+        from .launch import check_children
+
+        check_children()  # never green when a process the cell started failed
     except SystemExit as exc:  # exit(), quit(), sys.exit(): the cell ends, the rank stays
         from .exits import report
 

@@ -2,12 +2,15 @@
 are the processes.
 
 - ``torch.multiprocessing.spawn(fn, args, nprocs=world_size)`` (PyTorch's DDP tutorial
-  under ``if __name__ == "__main__":``) runs ``fn(rank, *args)`` on each rank in place,
-  with one note; another ``nprocs`` is refused with a sentence, before any child starts;
+  under ``if __name__ == "__main__":``), and ``start_processes`` alike, run
+  ``fn(rank, *args)`` on each rank in place, with one note; another ``nprocs`` is
+  refused with a sentence, before any child starts;
 - ``multiprocessing.Process(target=f)`` with ``f`` defined in a cell (``dist_tuto``'s
   ``run.py``) is refused before the child starts: a child cannot see a cell's functions,
   and each rank would start ranks of its own. A target from a module (DataLoader's
   workers, a library's pool) starts as usual;
+- a process the cell started that ended with an error fails the cell
+  (:func:`check_children`): it never ends green with its children dead;
 - ``set_start_method`` of the method already set is accepted (a cell run again raised
   "context has already been set").
 
@@ -70,7 +73,34 @@ def _checked_start(self):
             f"but the ranks already are the processes: call {target.__name__}(nd.rank, "
             "nd.world_size, ...) in the cell instead"
         )
-    return _originals["start"](self)
+    started = _originals["start"](self)  # it forgets its target once started
+    if not self.daemon:  # a DataLoader's or a pool's workers are daemons, ended by their owner
+        _children.append((STATE.cell_token, self, getattr(target, "__name__", "?")))
+    return started
+
+
+#: the processes a cell started itself (not daemons), with the cell's token
+_children: list = []
+
+
+class ChildProcessFailed(RuntimeError):
+    """A process the cell started ended with an error: the cell did not do its work."""
+
+
+def check_children() -> None:
+    """At the end of a cell that ran to its end: a process it started that has ended with
+    an error makes the cell fail, naming it (its traceback is above, on stderr)."""
+    mine = [(p, name) for token, p, name in _children if token == STATE.cell_token]
+    _children[:] = [c for c in _children if c[1].exitcode is None]  # still running
+    failed = [(p, name) for p, name in mine if p.exitcode not in (None, 0)]
+    if failed:
+        said = ", ".join(
+            f"{p.name} (pid {p.pid}, target {name}) exited with code {p.exitcode}"
+            for p, name in failed
+        )
+        raise ChildProcessFailed(
+            f"{said}: a process this cell started failed, so the cell did not do its work"
+        )
 
 
 def _set_start_method(method, force=False):
@@ -137,8 +167,11 @@ def install() -> None:
     multiprocessing.set_start_method = _set_start_method
     tmp.set_start_method = _set_start_method
     tmp.spawn = spawn
+    _originals["start_processes"] = tmp.start_processes
+    tmp.start_processes = spawn  # what spawn calls, with the same arguments
     if hasattr(tmp, "spawn_"):
         tmp.spawn_ = spawn
     import torch.multiprocessing.spawn as spawn_module
 
     spawn_module.spawn = spawn
+    spawn_module.start_processes = spawn

@@ -7,7 +7,8 @@ pytorch/examples ``distributed/ddp-tutorial-series/multigpu_torchrun.py`` with i
 ``datautils.py``, ``distributed/tensor_parallelism``, ``distributed/FSDP2/example.py``;
 both repositories BSD-3-Clause): the same structure and the same GPU-first lines, none of
 their code. They run through a real kernel started in a folder of their own, with the
-helper module beside the notebook, as a user pastes them.
+helper modules they import (datautils, log_utils, FSDP2's checkpoint, model and utils)
+beside the notebook, as a user pastes them.
 """
 
 from __future__ import annotations
@@ -189,19 +190,63 @@ if __name__ == "__main__":
     main(args.save_every, args.total_epochs, args.batch_size)
 """
 
-# the tensor-parallel example's opening: the device type from the accelerator
+# the tensor-parallel examples' log_utils beside the notebook (rank_log, get_logger)
+LOG_UTILS = """
+import logging
+
+import torch
+
+
+def get_logger():
+    logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO)
+    return logging.getLogger(__name__)
+
+
+def rank_log(_rank, logger, msg):
+    if _rank == 0:
+        logger.info(f" {msg}")
+
+
+def verify_min_gpu_count(min_gpus: int = 2) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= min_gpus
+"""
+
+# the tensor-parallel example's opening: its helper module, then the device type from the
+# accelerator
 TENSOR_PARALLEL = """
+import os
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from log_utils import rank_log, get_logger
+
+logger = get_logger()
+_rank = int(os.environ["RANK"])
+rank_log(_rank, logger, "Device Mesh created")
 device_type = torch.accelerator.current_accelerator().type
 tp_mesh = init_device_mesh(device_type, (2,))
 """
+
+# FSDP2's example.py imports its three helper modules beside it (stand-ins here, with the
+# names the example imports)
+FSDP2_HELPERS = {
+    "checkpoint.py": "class Checkpointer:\n    def __init__(self, folder, dcp_api):\n"
+    "        self.folder, self.dcp_api = folder, dcp_api\n",
+    "model.py": "import torch\n\n\nclass ModelArgs:\n    n_layers = 2\n\n\n"
+    "class Transformer(torch.nn.Module):\n    def __init__(self, args):\n"
+    "        super().__init__()\n        self.layers = torch.nn.ModuleList("
+    "torch.nn.Linear(8, 8) for _ in range(args.n_layers))\n",
+    "utils.py": "def inspect_model(model):\n    return model\n\n\n"
+    "def inspect_mixed_precision(model):\n    return model\n",
+}
 
 # FSDP2's example.py: argparse with defaults, and a GPU check that calls exit()
 FSDP2 = """
 import argparse
 import torch
+from checkpoint import Checkpointer
+from model import ModelArgs, Transformer
+from utils import inspect_mixed_precision, inspect_model
 
 
 def verify_min_gpu_count(min_gpus: int = 2) -> bool:
@@ -235,6 +280,9 @@ def kernel(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pasted")
     (folder / "datautils.py").write_text(DATAUTILS)
     (folder / "worker.py").write_text(WORKER)
+    (folder / "log_utils.py").write_text(LOG_UTILS)
+    for name, text in FSDP2_HELPERS.items():
+        (folder / name).write_text(text)
     (folder / "src").mkdir()
     (folder / "src" / "helpers_of_mine.py").write_text("ANSWER = 42\n")
     env = dict(os.environ, IPYTHONDIR=str(folder / "ipython"))

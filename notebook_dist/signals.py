@@ -4,7 +4,9 @@ A signal reaches a process only if this package started it, and only while it is
 that process. A process is recorded once (:meth:`Started.record`) when it is started or
 when it registers with this cluster's own controller: its pid and its start time (field
 22 of ``/proc/PID/stat``, which tells a process from a later one that reuses the pid).
-:func:`send` and :func:`end` then refuse, every time:
+Only :meth:`Started.record` (and :meth:`Started.reported`, through it) makes a record
+that can be signalled: ``Started(pid, start)`` written by hand, or a record changed with
+``dataclasses.replace``, is refused. :func:`send` and :func:`end` then refuse, every time:
 
 - any pid of 1 or less (``-1`` is every process the caller may signal, ``0`` its own
   process group, ``1`` init), and anything that is not an int: ipyparallel's launchers
@@ -21,8 +23,10 @@ then the group holds only what that leader spawned. A leader that is gone leaves
 group's id reserved while any member lives (Linux keeps a pid in use while it names a
 group), so the members still in that group, started after the leader, are its own.
 
-No other module calls ``os.kill`` or ``os.killpg`` (``tests/test_signals.py`` reads the
-source to hold this).
+No other module calls ``os.kill``, ``os.killpg`` or ``pidfd_send_signal``, in any
+spelling; the few other places that can end a process (a ``subprocess.run`` timeout
+killing its own child, ipyparallel's own stop) are named, each with why, in
+``tests/test_signals.py``, which reads the source to hold this.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import contextlib
 import os
 import signal as _signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: pids never signalled, whatever the record says (the reaper adds its kernel)
 _PROTECTED: set[int] = set()
@@ -75,6 +79,8 @@ class Started:
     leads_group: bool = False
     #: what it is, for messages: "controller", "engine", "rank 1", "mpiexec", "reaper"
     what: str = "process"
+    #: set by :meth:`record` alone (not an argument, not copied by ``replace``)
+    recorded: bool = field(default=False, init=False, repr=False, compare=False)
 
     @classmethod
     def record(cls, pid, what: str = "process", parent: int | None = None) -> Started | None:
@@ -88,7 +94,9 @@ class Started:
         if parent is not None and int(fields[1]) != parent:
             return None
         leads = int(fields[2]) == pid and int(fields[3]) == pid  # pgrp and session
-        return cls(pid, fields[19], leads, what)
+        proc = cls(pid, fields[19], leads, what)
+        object.__setattr__(proc, "recorded", True)  # (frozen: the one place it is set)
+        return proc
 
     @classmethod
     def reported(cls, pid, start: str, what: str = "process") -> Started | None:
@@ -103,10 +111,15 @@ def _refused_now() -> set[int]:
     return {os.getpid(), os.getppid(), *_PROTECTED}
 
 
+def _is_record(proc) -> bool:
+    """Whether ``proc`` was made by :meth:`Started.record` (nothing else is signalled)."""
+    return isinstance(proc, Started) and proc.recorded is True
+
+
 def refusal(proc: Started) -> str | None:
     """Why ``proc`` must not be signalled now, or None when it may."""
-    if not isinstance(proc, Started):
-        return f"{proc!r} is not a recorded process"
+    if not _is_record(proc):
+        return f"{proc!r} was not made by Started.record: a record built by hand is never signalled"
     if not _is_pid(proc.pid):
         return f"pid {proc.pid!r} is not a single process"
     if proc.pid in _refused_now():
@@ -151,7 +164,7 @@ def send(proc: Started, sig: int) -> bool:
 
 def group_members(proc: Started) -> list[int]:
     """Live members of the group ``proc`` leads (itself excluded); [] unless it leads one."""
-    if not proc.leads_group or not _is_pid(proc.pid) or not proc.start:
+    if not _is_record(proc) or not proc.leads_group or not _is_pid(proc.pid) or not proc.start:
         return []
     here = start_time(proc.pid)
     if here and here != proc.start:
@@ -175,7 +188,7 @@ def group_members(proc: Started) -> list[int]:
 def send_group(proc: Started, sig: int) -> bool:
     """Signal the group ``proc`` leads (the leader and what it spawned), or the leader
     alone when it leads none; False when nothing was sent."""
-    if not proc.leads_group:
+    if not _is_record(proc) or not proc.leads_group:
         return send(proc, sig)
     members = group_members(proc)
     leader_ok = refusal(proc) is None

@@ -1,16 +1,19 @@
-"""One scenario that ends every rank, run as pid 1 of a fresh PID namespace.
+"""Scenarios that end every rank, run in one notebook kernel as pid 1 of a fresh PID namespace.
 
-``unshare --pid --fork --mount-proc python pidns_scenario.py HOW THEN``: this process is
-init of the namespace, so a signal sent to pid -1 from inside (every process the sender
-may signal) reaches every other process of the namespace and nothing outside it. Beside
-the notebook kernel runs a sentinel that nothing may signal; it is checked after each
-step. Prints one JSON object: what each step printed, and whether the sentinel and the
-kernel lived.
+``unshare --pid --fork --mount-proc python pidns_scenario.py HOW:THEN [HOW:THEN ...]``:
+this process is init of the namespace, so a signal sent to pid -1 from inside (every
+process the sender may signal) reaches every other process of the namespace and nothing
+outside it. Beside the notebook kernel runs a sentinel that nothing may signal; it is
+checked after each step. Prints one JSON object: what each step of each scenario printed,
+and whether the sentinel and the kernel lived.
 
 HOW ends every rank: ``os_exit`` (``os._exit(1)``), ``sigkill``, or ``exit`` and
 ``sys_exit`` (which must end the cell, not the rank). THEN: ``shutdown``, ``restart``,
 ``replay`` (``%dist_restart --replay``), ``kernel_shutdown`` (the kernel ends without
-either) or ``kernel_kill`` (the kernel is SIGKILLed: the reaper ends the cluster).
+either) or ``kernel_kill`` (the kernel is SIGKILLed: the reaper ends the cluster); a
+``kernel_*`` scenario comes last. The scenarios share the kernel (each cluster start costs
+seconds): one after a restart goes on with the restarted ranks, one after a shutdown starts
+a cluster; the last one's cluster is shut down (its ``shutdown`` step) unless the kernel ended.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ ENDINGS = {
 }
 
 
-def main(how: str, then: str) -> dict:
-    report: dict = {"steps": []}
+def main(scenarios: list[tuple[str, str]]) -> dict:
+    report: dict = {"scenarios": []}
     sentinel = subprocess.Popen(["sleep", "600"], start_new_session=True)
     folder = tempfile.mkdtemp(prefix="nd-pidns-")
     from jupyter_client.manager import start_new_kernel
 
     env = dict(os.environ, IPYTHONDIR=os.path.join(folder, "ipython"))
     km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=folder)
+    steps: list[dict] = []
 
     def step(name: str, code: str, timeout: float = 120.0) -> None:
         texts: list[str] = []
@@ -56,30 +60,43 @@ def main(how: str, then: str) -> dict:
             kc.execute_interactive(code, timeout=timeout, output_hook=hook)
         except Exception as exc:  # a kernel that was killed does not answer
             texts.append(f"no reply: {type(exc).__name__}")
-        report["steps"].append(
-            {"step": name, "text": "".join(texts), "sentinel": sentinel.poll() is None}
-        )
+        steps.append({"step": name, "text": "".join(texts), "sentinel": sentinel.poll() is None})
 
+    running = False  # a cluster is up
     try:
-        step("init", "%load_ext notebook_dist\n%dist_init -n 2\nx = 1")
-        step("setup", "%%distributed\nkept = nd.rank + 10")
-        step("end ranks", "%%distributed\n" + ENDINGS[how])
-        time.sleep(1.0)  # the engines' exits are seen
-        step("next cell", "%%distributed\nkept")
-        step("status", "%dist_status")
-        if then == "shutdown":
-            step(then, "%dist_shutdown")
-        elif then in ("restart", "replay"):
-            step(then, "%dist_restart" + (" --replay" if then == "replay" else ""))
-            step("after restart", "%%distributed\n" + ("kept" if then == "replay" else "nd.rank"))
+        for i, (how, then) in enumerate(scenarios):
+            steps = []
+            report["scenarios"].append({"how": how, "then": then, "steps": steps})
+            if not running:
+                step(
+                    "init",
+                    ("%load_ext notebook_dist\n" if i == 0 else "") + "%dist_init -n 2\nx = 1",
+                )
+            step("setup", "%%distributed\nkept = nd.rank + 10")
+            step("end ranks", "%%distributed\n" + ENDINGS[how])
+            time.sleep(1.0)  # the engines' exits are seen
+            step("next cell", "%%distributed\nkept")
+            step("status", "%dist_status")
+            running = True
+            if then == "shutdown":
+                step(then, "%dist_shutdown")
+                running = False
+            elif then in ("restart", "replay"):
+                step(then, "%dist_restart" + (" --replay" if then == "replay" else ""))
+                step(
+                    "after restart", "%%distributed\n" + ("kept" if then == "replay" else "nd.rank")
+                )
+            elif then == "kernel_shutdown":
+                km.shutdown_kernel(now=False)
+                running = False
+            elif then == "kernel_kill":
+                km.provisioner.process.kill()  # SIGKILL: no atexit runs, only the reaper
+                km.provisioner.process.wait()
+                running = False
+        if running:
             step("shutdown", "%dist_shutdown")
-        elif then == "kernel_shutdown":
-            km.shutdown_kernel(now=False)
-        elif then == "kernel_kill":
-            km.provisioner.process.kill()  # SIGKILL: no atexit runs, only the reaper
-            km.provisioner.process.wait()
         report["kernel_alive"] = km.is_alive()
-        time.sleep(1.0 if then.startswith("kernel") else 0.0)  # the reaper's turn
+        time.sleep(1.0 if scenarios[-1][1].startswith("kernel") else 0.0)  # the reaper's turn
     finally:
         report["sentinel"] = sentinel.poll() is None
         kc.stop_channels()
@@ -119,4 +136,5 @@ if __name__ == "__main__":
     if os.getpid() != 1:
         sys.exit("run me as pid 1 of a fresh PID namespace (unshare --pid --fork --mount-proc)")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
+    pairs = [tuple(arg.split(":", 1)) for arg in sys.argv[1:]]
+    print("RESULT " + json.dumps(main(pairs)), flush=True)

@@ -334,7 +334,8 @@ def still_running(rank) -> bool:
     reported when it joined, and not a zombie."""
     from ..signals import Started, is_running
 
-    return is_running(Started(rank.pid, rank.start))
+    proc = Started.reported(rank.pid, rank.start)
+    return proc is not None and is_running(proc)
 
 
 def stop_loop_thread(obj) -> None:

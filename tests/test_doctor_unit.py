@@ -4,6 +4,7 @@ import pytest
 
 from notebook_dist.doctor import RankReport, diagnose, format_stacks, rank_condition
 from notebook_dist.doctor.source import rank_loop
+from notebook_dist.doctor.words import shape_text
 
 CELL = "Cell In[4]"
 NOW = 1000.0
@@ -152,7 +153,9 @@ def test_dead_rank_with_signal_and_line():
         "rank 1 was killed by SIGABRT in all_reduce at line 3. rank 0 waits in all_reduce #1 at line 3."
     )
     assert "differ in shape or dtype" in d.verdict and d.verdict.endswith(
-        "Run %dist_restart (add --replay to re-run your setup cells)."
+        "Run %dist_heal for a fresh rank in its place while the others keep their variables "
+        "(--copy NAMES gives it yours), or %dist_restart (add --replay to re-run your setup "
+        "cells)."
     )
 
 
@@ -482,6 +485,38 @@ IN_A_COLLECTIVE = (
 )
 
 
+#: what a tracked collective's record holds that every rank must pass alike, each with two
+#: or more values: op, shapes, dtypes, root, reduce op, group; and the async flag (said, but
+#: it need not agree: it changes when the rank waits, not what goes on the wire)
+COMPARED_OPS = ["all_reduce", "broadcast", "reduce", "scatter", "gather", "all_gather"]
+VARIANTS = {
+    "op": COMPARED_OPS,
+    "shapes": [((4,),), ((2, 3),)],
+    "dtypes": [("float32",), ("float64",)],
+    "root": [0, 1],
+    "reduce_op": ["SUM", "MAX"],
+    "group": ["default", "pg-1"],
+    "async_op": [False, True],
+}
+
+
+def collective(op, shapes, dtypes, root, reduce_op, group, async_op, seq=1, line=3, n=2):
+    """A record as the tracker makes it (its own ``agreeing_args``) for this call."""
+    from notebook_dist.runtime.tracker import agreeing_args
+
+    bound = {"src": root, "dst": root, "op": reduce_op, "async_op": async_op}
+    group_ranks = None if group == "default" else tuple(range(n))
+    args = agreeing_args(op, bound, group_ranks)
+    return rec(seq, op, line, shapes, dtypes, group, group_ranks, args=args)
+
+
+def compared(record: dict) -> dict:
+    """Every argument of a record the ranks must pass alike (all but the async flag)."""
+    out = {k: repr(record[k]) for k in ("op", "shapes", "dtypes", "group")}
+    out.update({k: repr(v) for k, v in (record.get("args") or {}).items() if k != "async_op"})
+    return out
+
+
 @st.composite
 def snapshots(draw):
     n = draw(st.integers(2, 4))
@@ -501,8 +536,15 @@ def snapshots(draw):
         seq = draw(st.integers(1, 3))
         line = draw(st.integers(2, 9))
         if kind == "coll":
-            args = draw(st.sampled_from([None, {"src": 0}, {"src": 1}, {"async_op": True}]))
-            ranks[r] = running(rec(seq, op, line, args=args))
+            ranks[r] = running(
+                collective(
+                    draw(st.sampled_from(COMPARED_OPS)),
+                    **{k: draw(st.sampled_from(v)) for k, v in VARIANTS.items() if k != "op"},
+                    seq=seq,
+                    line=line,
+                    n=n,
+                )
+            )
         elif kind == "p2p":
             ranks[r] = running(
                 p2p(
@@ -550,13 +592,71 @@ def test_a_verdict_never_contradicts_its_table(ranks, source):
         assert "network" not in d.verdict, (states, d.verdict)
     if "with matching arguments" in d.verdict:  # said only when every compared one matches
         recs = [v.snap["collective"] for v in ranks.values()]
-        agree = {
-            repr({k: v for k, v in (x.get("args") or {}).items() if k != "async_op"}) for x in recs
-        }
-        assert len(agree) == 1, (recs, d.verdict)
+        assert len({repr(compared(x)) for x in recs}) == 1, (recs, d.verdict)
     for r in d.culprits:  # every rank a verdict blames is a rank of the table
         assert r in ranks
     assert d.verdict and d.rule
+
+
+@st.composite
+def one_collective(draw):
+    """Every rank in the same collective, some of its arguments drawn per rank."""
+    n = draw(st.integers(2, 4))
+    base = {k: draw(st.sampled_from(v)) for k, v in VARIANTS.items()}
+    varied = draw(st.sets(st.sampled_from(sorted(VARIANTS)), max_size=2))
+    return {
+        r: running(
+            collective(**dict(base, **{k: draw(st.sampled_from(VARIANTS[k])) for k in varied}), n=n)
+        )
+        for r in range(n)
+    }
+
+
+#: how a verdict shows each rank's value of a differing argument
+SHOWN = {
+    "op": lambda x: f"called {x['op']}",
+    "shapes": lambda x: shape_text(x["shapes"]),
+    "dtypes": lambda x: "/".join(x["dtypes"]),
+    "group": lambda x: x["group"],
+    "src": lambda x: f"src={x['args']['src']}",
+    "dst": lambda x: f"dst={x['args']['dst']}",
+    "reduce_op": lambda x: f"op={x['args']['reduce_op']}",
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(one_collective())
+def test_matching_is_said_only_when_every_compared_argument_matches(ranks):
+    recs = {r: v.snap["collective"] for r, v in ranks.items()}
+    seen = [compared(x) for x in recs.values()]
+    differ = [k for k in seen[0] if len({repr(c.get(k)) for c in seen}) > 1]
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert ("with matching arguments" in d.verdict) == (not differ), (differ, d.verdict)
+    if not differ:
+        return
+    assert "network" not in d.verdict, (differ, d.verdict)
+    if "group" in differ:
+        return  # named in the table alone so far: see the test below
+    # the verdict names the argument the ranks disagree on first (op, then the tensors,
+    # then the others), with each rank's value
+    first = next(k for k in ("op", "shapes", "dtypes", "src", "dst", "reduce_op") if k in differ)
+    for x in recs.values():
+        assert SHOWN[first](x) in d.verdict, (first, recs, d.verdict)
+
+
+def test_ranks_in_one_collective_on_different_groups_are_told_which_group_each_uses():
+    ranks = {
+        0: running(collective("all_reduce", ((4,),), ("float32",), 0, "SUM", "default", False)),
+        1: running(collective("all_reduce", ((4,),), ("float32",), 0, "SUM", "pg-1", False)),
+    }
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert "matching" not in d.verdict and "network" not in d.verdict
+    assert "default" in d.verdict and "pg-1" in d.verdict, d.verdict
+    assert d.kind == "groups" and d.culprits == [0, 1]
+    assert (
+        "rank 0 waits in all_reduce #1 on the default group" in d.verdict
+        and "rank 1 waits in all_reduce #1 on process group pg-1" in d.verdict
+    ), d.verdict
 
 
 SOURCE_LOOP = "%%distributed\nt = torch.ones(1)\nfor step in range(3 if nd.rank == 0 else 2):\n    dist.all_reduce(t)\n"
@@ -647,3 +747,316 @@ def test_a_helper_defined_in_the_same_cell_is_named_with_its_call_site():
     d = diagnose({0: running(inner), 1: done()}, now=NOW, cell_file=CELL, source=source)
     assert "all_reduce #1 at line 3 in step() (called at line 6)" in d.verdict
     assert "The call at line 6 is inside `if nd.rank == 0:` (line 5)" in d.verdict
+
+
+# ---- a Gloo abort names what each rank passed (ended.abort_hint) -----------------------------
+
+
+def aborted(record=None, line=3):
+    fault = {"op": "all_reduce", "line": line, "file": CELL}
+    if record is not None:
+        fault["record"] = record
+    return RankReport("dead", {}, "was killed by SIGABRT", fault=fault)
+
+
+def test_an_abort_names_each_ranks_tensors_from_the_records():
+    ranks = {
+        0: aborted(rec(1, "all_reduce", 3)),
+        1: running(rec(1, "all_reduce", 3, dtypes=("float64",))),
+    }
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "dead" and d.culprits == [0]
+    assert (
+        " Gloo aborted rank 0 in all_reduce #1 at line 3, where the ranks passed: rank 0 (4,) "
+        "float32; rank 1 (4,) float64. Every rank must pass tensors of the same shape and dtype "
+        "to one collective (%%distributed --check-collectives compares them first, with every "
+        "rank kept alive)." in d.verdict
+    ), d.verdict
+    assert "the others' arguments were not seen" not in d.verdict
+    assert "Gloo aborts a rank when" not in d.verdict  # the general sentence gives way
+
+
+def test_an_abort_reads_the_same_collective_only_and_names_another_op():
+    # rank 1's earlier collective (#1) and one of another group with the same number are
+    # not the one rank 0 died in; its #2 is, and it is another op
+    ranks = {
+        0: aborted(rec(2, "all_reduce", 5, shapes=((2, 3),))),
+        1: running(
+            rec(2, "broadcast", 5, shapes=((6,),)),
+            [
+                dict(rec(1, "all_reduce", 4, shapes=((9,),)), t1=991.0),
+                dict(rec(2, "all_gather", 4, group="pg-1", group_ranks=(0, 1)), t1=991.0),
+            ],
+        ),
+    }
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert (
+        "Gloo aborted rank 0 in all_reduce #2 at line 5, where the ranks passed: rank 0 (2, 3) "
+        "float32; rank 1 broadcast of (6,) float32." in d.verdict
+    ), d.verdict
+    assert "(9,)" not in d.verdict and "all_gather" not in d.verdict
+
+
+def test_an_abort_whose_peers_were_not_seen_says_so_and_without_a_record_falls_back():
+    ranks = {0: aborted(rec(1, "all_reduce", 3)), 1: done()}
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert (
+        "where the ranks passed: rank 0 (4,) float32 (the others' arguments were not seen)."
+        in d.verdict
+    ), d.verdict
+    d = diagnose({0: aborted(), 1: done()}, now=NOW, cell_file=CELL)
+    assert "Gloo aborted rank" not in d.verdict
+    assert (
+        "Gloo aborts a rank when the tensors of one collective differ in shape or dtype across "
+        "ranks: check what each rank passes there." in d.verdict
+    ), d.verdict
+
+
+# ---- a broken group: torch's timeout or a closed pair (runtime.group, the tracker, the watch) --
+
+#: torch's own words, as Gloo and NCCL raise them
+GLOO_TIMEOUT = (
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms "
+    "for recv operation to complete"
+)
+GLOO_PAIR_CLOSED = (
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused pair closure"
+)
+GLOO_PEER_CLOSED = (
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+    "[127.0.0.1]:8086\nException raised from recvBytes ... GLHF!"
+)
+NCCL_TIMEOUT = (
+    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, "
+    "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=8000) ran for 8003 milliseconds "
+    "before timing out."
+)
+NCCL_ABORTED = "NCCL communicator was aborted on rank 1."
+
+
+@pytest.fixture
+def group_state(monkeypatch):
+    """A rank's state with its group whole, as each test finds it."""
+    from notebook_dist.runtime.state import STATE
+
+    monkeypatch.setattr(STATE, "group_broken", None)
+    return STATE
+
+
+def raised_from(text: str, filename: str) -> BaseException:
+    """``RuntimeError(text)`` raised in a frame of ``filename``: where it came from."""
+    code = compile("raise RuntimeError(text)", filename, "exec")
+    try:
+        exec(code, {"text": text})
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("not raised")
+
+
+TORCH_FILE = "/venv/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py"
+
+
+@pytest.mark.parametrize(
+    "text, kind, why",
+    [
+        (GLOO_TIMEOUT, "timeout", "Timed out waiting 8000ms for recv operation to complete"),
+        (GLOO_PAIR_CLOSED, "closed", "Application timeout caused pair closure"),
+        (GLOO_PEER_CLOSED, "closed", "Connection closed by peer [127.0.0.1]:8086"),
+        (NCCL_TIMEOUT, "timeout", NCCL_TIMEOUT.removeprefix("[Rank 0] ")),
+        (NCCL_ABORTED, "closed", NCCL_ABORTED),
+    ],
+)
+def test_torchs_own_words_break_the_group(group_state, text, kind, why):
+    from notebook_dist.runtime.group import note_failure
+
+    said = note_failure(raised_from(text, TORCH_FILE), in_collective=False)
+    assert said == {"kind": kind, "why": why} and group_state.group_broken == said
+
+
+def test_a_users_own_socket_error_or_another_error_breaks_nothing(group_state):
+    from notebook_dist.runtime.group import note_failure
+
+    mine = raised_from("Connection reset by peer", "Cell In[3]")  # the user's own socket
+    assert note_failure(mine, in_collective=False) is None
+    assert note_failure(ConnectionResetError(104, "Connection reset by peer"), False) is None
+    # torch's other errors leave the group whole, even from inside a collective
+    assert note_failure(raised_from("Tensors must be contiguous", TORCH_FILE), True) is None
+    assert group_state.group_broken is None
+
+
+def test_the_first_break_is_kept_with_the_record_of_its_collective(group_state):
+    from notebook_dist.runtime.group import note_failure
+
+    first = rec(1, "all_reduce", 4)
+    note_failure(RuntimeError(GLOO_TIMEOUT), in_collective=True, record=first)
+    later = note_failure(RuntimeError(GLOO_PEER_CLOSED), in_collective=True)
+    assert later is group_state.group_broken
+    assert later["kind"] == "timeout" and later["record"] is first
+
+
+def tracked_all_reduce(monkeypatch, error: BaseException):
+    """The tracker's wrapper around an all_reduce that raises ``error``, on a fresh tracker."""
+    import torch  # noqa: F401  (the tracker reads tensors through sys.modules)
+
+    from notebook_dist.runtime import tracker
+
+    monkeypatch.setattr(tracker, "TRACKER", tracker.Tracker())
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        raise error
+
+    return tracker._wrap_collective("all_reduce", all_reduce)
+
+
+def test_a_timeout_caught_in_another_thread_still_marks_the_group_broken(group_state, monkeypatch):
+    import threading
+
+    import torch
+
+    all_reduce = tracked_all_reduce(monkeypatch, RuntimeError(GLOO_TIMEOUT))
+    caught = []
+
+    def user_code():  # a thread that catches torch's error and goes on
+        try:
+            all_reduce(torch.ones(2))
+        except RuntimeError as exc:
+            caught.append(str(exc))
+
+    thread = threading.Thread(target=user_code, name="saver")
+    thread.start()
+    thread.join()
+    assert caught == [GLOO_TIMEOUT]
+    broken = group_state.group_broken
+    assert broken["kind"] == "timeout" and broken["why"].startswith("Timed out waiting 8000ms")
+    assert broken["record"]["op"] == "all_reduce" and broken["record"]["seq"] == 1
+    assert broken["record"]["thread"] == "saver" and broken["record"]["failed"]
+    assert broken["record"]["t1"] >= broken["record"]["t0"]  # how long it waited is known
+
+
+def test_a_tracked_collective_that_raises_something_else_breaks_nothing(group_state, monkeypatch):
+    import torch
+
+    all_reduce = tracked_all_reduce(monkeypatch, ValueError("bad"))
+    with pytest.raises(ValueError):
+        all_reduce(torch.ones(2))
+    assert group_state.group_broken is None
+
+
+def view(rank, status="done", broken=None, error=None, history=()):
+    from notebook_dist.watch.progress import RankView
+
+    result = {"status": status, "group_broken": broken}
+    if error is not None:
+        result["error"] = error
+    snap = {"collective": None, "history": list(history), "stack": []}
+    return RankView(rank, status=status, snap=snap, result=result)
+
+
+def test_the_watch_reads_a_timeout_whether_the_cell_raised_or_caught_it():
+    from notebook_dist.watch.inputs import broken, doctor_input, timed_out
+
+    waited = dict(rec(1, "all_reduce", 5), t1=998.0, failed=True)
+    caught = {"kind": "timeout", "why": "Timed out waiting 8000ms", "record": waited}
+    views = {0: view(0, broken=caught, history=[waited]), 1: view(1)}
+    assert broken(views) == {0: caught} and timed_out(views) == {0: waited}
+    # as it was while it waited: in that collective, not past it
+    report = doctor_input(views, CELL, fault_report=None, before_release=True)
+    assert report[0].status == "running" and report[1].status == "done"
+    assert report[0].snap["collective"] == rec(1, "all_reduce", 5)
+    assert report[0].snap["history"] == []
+    d = diagnose(report, now=NOW, cell_file=CELL, source=TIMED_CELL)
+    assert d.kind == "conditional" and d.culprits == [0] and d.line == 5
+    # a raised one: its record travels with the error
+    raised_views = {
+        0: view(0, "error", {"kind": "timeout", "why": "x"}, {"record": waited}),
+        1: view(1),
+    }
+    assert timed_out(raised_views) == {0: waited}
+    # closed pairs broke it, no timeout: nobody is said to have waited out torch's timeout
+    closed = {1: view(1, broken={"kind": "closed", "why": "Connection closed by peer"})}
+    assert timed_out({**closed, 0: view(0)}) == {}
+
+
+TIMED_CELL = (
+    "%%distributed\nt = torch.ones(2)\nif nd.rank == 0:\n    try:\n        dist.all_reduce(t)\n"
+    "    except RuntimeError:\n        pass\n"
+)
+
+
+def test_the_report_of_a_broken_group_says_who_waited_where_for_how_long():
+    import io
+
+    from notebook_dist.watch.report import Reporter
+
+    reporter = Reporter(io.StringIO(), CELL)
+    waited = dict(rec(1, "all_reduce", 5, t0=990.0), t1=998.04)
+    said = reporter.broke({0: waited}, {0: {"kind": "timeout"}}, 8.0, "Rank 0 called it alone.")
+    assert said == (
+        "torch's collective timeout (8 s, %dist_init --timeout) ended all_reduce #1 at line 5 on "
+        "rank 0, after 8.0 s of waiting. Why it waited: Rank 0 called it alone."
+    )
+    gone = {
+        1: {"kind": "closed", "why": "Connection closed by peer [127.0.0.1]:8086"},
+        0: {"kind": "closed", "why": "Application timeout caused pair closure"},
+    }
+    assert reporter.broke({}, gone, 8.0, None) == (
+        "the process group broke in this cell (rank 0: Application timeout caused pair closure; "
+        "rank 1: Connection closed by peer [127.0.0.1]:8086)."
+    )
+
+
+# ---- --check-collectives names what each rank passes (runtime.argcheck.mismatch_text) -------
+
+
+def described(record: dict) -> dict:
+    """A rank's description as the others read it: through JSON (tuples become lists)."""
+    import json
+
+    from notebook_dist.runtime.argcheck import describe
+
+    return json.loads(json.dumps(describe(record)))
+
+
+CHECK_TAIL = "(--check-collectives compared them first; every rank kept its variables)."
+
+
+@pytest.mark.parametrize(
+    "other, said",
+    [
+        (dict(dtypes=("float64",)), "different dtypes (rank 0: float32; rank 1: float64)"),
+        (dict(shapes=((2, 3),)), "different shapes (rank 0: (4,); rank 1: (2, 3))"),
+        (dict(args={"reduce_op": "MAX"}), "different op (rank 0: op=SUM; rank 1: op=MAX)"),
+    ],
+)
+def test_a_mismatch_found_first_names_each_ranks_value(other, said):
+    from notebook_dist.runtime.argcheck import mismatch_text
+
+    mine = rec(1, "all_reduce", 3, args={"reduce_op": "SUM", "async_op": False})
+    theirs = dict(mine, **other)
+    text = mismatch_text(mine, {0: described(mine), 1: described(theirs)})
+    noun = said.split()[1]
+    assert text == (
+        f"all_reduce #1 at line 3 was not issued: the ranks pass {said}. Every rank must pass "
+        f"the same {noun} to one collective {CHECK_TAIL}"
+    )
+
+
+def test_a_mismatch_names_the_root_and_the_op_first_and_ignores_the_async_flag():
+    from notebook_dist.runtime.argcheck import mismatch_text
+
+    b = {r: rec(2, "broadcast", 6, args={"src": r, "async_op": bool(r)}) for r in (0, 1, 2)}
+    b[2]["args"]["src"] = 0
+    text = mismatch_text(b[0], {r: described(x) for r, x in b.items()})
+    assert text.startswith(
+        "broadcast #2 at line 6 was not issued: the ranks pass different src (rank 0: src=0; "
+        "rank 1: src=1; rank 2: src=0). Every rank must pass the same src"
+    ), text
+    # another op and dtype at once: the op is named
+    other = dict(rec(1, "all_gather", 3, dtypes=("int64",)), args={})
+    text = mismatch_text(
+        rec(1, "all_reduce", 3), {0: described(rec(1, "all_reduce", 3)), 1: described(other)}
+    )
+    assert "different op (rank 0: all_reduce; rank 1: all_gather)" in text, text
+    # only the async flag differs: nothing to name
+    same = {r: described(rec(1, "all_reduce", 3, args={"async_op": bool(r)})) for r in (0, 1)}
+    assert len({repr(d) for d in same.values()}) == 1

@@ -16,11 +16,13 @@ class RankState:
     device: str = "cpu"
     backend: str | None = None
     timeout_s: float | None = None
+    store_timeout_s: float | None = None
     bootstrapped: bool = False
     #: the last exception a cell raised on this rank: (exc, traceback), for post-mortems
     last_error: tuple[BaseException, Any] | None = None
-    #: why the default group cannot be used any more ({"kind": "timeout"|"closed", "why"}),
-    #: until it is made again (notebook_dist.runtime.group.note_failure)
+    #: why the default group cannot be used any more ({"kind": "timeout"|"closed", "why",
+    #: and the tracker's "record" of the collective that broke it, when it saw one), until
+    #: it is made again (notebook_dist.runtime.group.note_failure)
     group_broken: dict | None = None
     #: what this rank asks the notebook for now (runtime.debugger.ask): id, prompt, kind, where
     asking: dict | None = None

@@ -402,8 +402,13 @@ def _run(t: Tracker, rec: dict, fn, args: tuple, kwargs: dict, history: bool, be
         if before is not None:
             before()
         return fn(*args, **kwargs)
-    except BaseException:
+    except BaseException as exc:
         rec["failed"] = True  # the kernel tells a release's consequence from a cause
+        # torch's timeout or a closed pair leaves the group unusable even when the user's
+        # code catches the error (or another thread's does): the cell's reply says so
+        from .group import note_failure
+
+        note_failure(exc, in_collective=True, record=rec)
         raise
     finally:
         t.depth = 0

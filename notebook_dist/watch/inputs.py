@@ -54,7 +54,8 @@ def timed_out(views: dict[int, RankView]) -> dict[int, dict]:
     """Ranks whose collective torch's own timeout ended: rank -> that collective's record."""
     out = {}
     for r, why in broken(views).items():
-        rec = (views[r].result.get("error") or {}).get("record")
+        # the tracker's record of the broken collective (its error may have been caught)
+        rec = why.get("record") or (views[r].result.get("error") or {}).get("record")
         if why.get("kind") == "timeout" and rec:
             out[r] = rec
     return out

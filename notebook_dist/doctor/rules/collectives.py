@@ -181,6 +181,40 @@ def divergence(f: Facts) -> Diagnosis | None:
     return make(f, "finished", base + said, missing, line)
 
 
+@rule("ND302", "the ranks wait in collectives of different process groups")
+def other_groups(f: Facts) -> Diagnosis | None:
+    """Every running rank blocked in a tracked collective, not all on one group: each
+    group's collective waits for members that are in another group's."""
+    if not f.waits or f.busy or any(w.kind != "collective" for w in f.waits.values()):
+        return None
+    by_group: dict[str, list[int]] = {}
+    for r, w in sorted(f.waits.items()):
+        by_group.setdefault(w.record["group"], []).append(r)
+    if len(by_group) < 2:
+        return None
+    parts = []
+    for group, ranks in by_group.items():
+        rec = f.waits[ranks[0]].record
+        on = "the default group" if group == "default" else f"process group {group}"
+        verb = "waits" if len(ranks) == 1 else "wait"
+        parts.append(
+            f"{plural(ranks)} {verb} in {rec['op']} #{rec['seq']} on {on} "
+            f"({call_text(rec, f.cell_file)})"
+        )
+    first = f.waits[min(f.waits)].record
+    return make(
+        f,
+        "groups",
+        "The ranks wait in collectives of different process groups: "
+        + "; ".join(parts)
+        + ". A collective completes only when every member of its group calls it, and these "
+        "members are in another group's collective. Every member of a group must call that "
+        "group's collectives in the same order as the others (pass the same group=).",
+        sorted(f.waits),
+        cell_line(first, f.cell_file),
+    )
+
+
 def _tensors_differ(f: Facts, kind: str, seq: int, gname: str, present: dict) -> Diagnosis:
     parts = "; ".join(
         f"rank {r}: {rec['op']} of {shape_text(rec['shapes'])} {'/'.join(rec['dtypes'])}"

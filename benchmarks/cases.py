@@ -627,3 +627,60 @@ def doctor_latency(cluster, reps: int) -> dict:
         took.append(seen["s"])
         cluster.run("t = torch.ones(1)\ndist.all_reduce(t)").raise_for_errors()  # carried on
     return {"verdict_vs_hang_after": ratio(took, [HANG_AFTER_S] * len(took))}
+
+
+HEAL_SETUP = (
+    "torch.manual_seed(0)\nmodel = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),"
+    " torch.nn.Linear(64, 8))\nopt = torch.optim.Adam(model.parameters())\n"
+)
+
+
+def heal_and_restart(reps: int) -> dict:
+    """Getting ranks back, against a cold ``%dist_init -n 2`` in the same run: ``%dist_heal``
+    of a killed rank (model and optimizer copied from a survivor) and ``%dist_restart
+    --replay`` (the setup replayed), both from a warm pool of 2 spares. Each checks its
+    work: the copied model equals the survivor's, the restarted ranks' group sums."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+    from notebook_dist.errors import ClusterError
+
+    def pool_full(c):
+        deadline = time.monotonic() + 120
+        while len(c.processes.pool.spares) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(c.processes.pool.spares) == 2, c.processes.pool.error
+
+    cold, heal, restart = [], [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        c = DistCluster(n=2, config=DistConfig(spare_engines=2)).start()
+        cold.append(time.perf_counter() - t0)
+        try:
+            summed = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
+            assert dict(summed.values) == {0: 2.0, 1: 2.0}, summed.values
+            c.run(HEAL_SETUP).raise_for_errors()
+            pool_full(c)
+            try:
+                c.run("import os\nif nd.rank == 1:\n    os._exit(1)\ndist.barrier()")
+            except ClusterError:
+                pass
+            t0 = time.perf_counter()
+            c.heal(["model", "opt"])
+            heal.append(time.perf_counter() - t0)
+            assert c.compare("model").agree, "the healed rank's model differs"
+            pool_full(c)
+            history = list(c.history)
+            t0 = time.perf_counter()
+            c.restarted().replay(history)
+            restart.append(time.perf_counter() - t0)
+            summed = c.run("t = torch.ones(1)\ndist.all_reduce(t)\n(float(t), 'opt' in globals())")
+            assert dict(summed.values) == {0: (2.0, True), 1: (2.0, True)}, summed.values
+        finally:
+            c.shutdown()
+    return {
+        "dist_init_s": summarize(cold),
+        "heal_s": summarize(heal),
+        "restart_replay_s": summarize(restart),
+        "heal_vs_init": ratio(heal, cold),
+        "restart_vs_init": ratio(restart, cold),
+    }

@@ -67,6 +67,18 @@ TARGETS = [
         2.67,  # (3 + 5) / 3
     ),
     (
+        "heal: %dist_heal of a killed rank / %dist_init -n 2",
+        ("heal", "heal_vs_init", "pair_median"),
+        "<=",
+        0.3,
+    ),
+    (
+        "heal: %dist_restart --replay (warm pool) / %dist_init -n 2",
+        ("heal", "restart_vs_init", "pair_median"),
+        "<=",
+        0.3,
+    ),
+    (
         "profile: rank 0's time in collectives / its own timing",
         ("profile", "collectives_vs_direct", "pair_median"),
         ">=",
@@ -112,6 +124,7 @@ CASE_NAMES = (
     "profile",
     "doctor",
     "checks",
+    "heal",
 )
 
 
@@ -182,6 +195,9 @@ def main(argv=None) -> int:
                     results[name] = fn(cluster)
         finally:
             session.shutdown()
+    if "heal" in only:
+        print("heal ...", flush=True)
+        results["heal"] = cases.heal_and_restart(3 if quick else 9)
     if "growth" in only:
         print("growth ...", flush=True)
         results["growth"] = cases.growth(20 if quick else 50)

@@ -75,7 +75,12 @@ class DistMagics(Magics):
     )
     @argument("--gpus", default=None, help="GPU indices to use, e.g. 0,1 (default: all visible)")
     @argument(
-        "--timeout", type=float, default=None, help="collective timeout in seconds (default 300)"
+        "--timeout",
+        type=float,
+        default=None,
+        help="torch's own collective timeout in seconds (default: none; a cell stuck for "
+        "DistConfig.stuck_after_s, 5 min, is stopped by the notebook, never while a rank "
+        "waits at a prompt)",
     )
     @argument(
         "--hang-after",
@@ -129,6 +134,26 @@ class DistMagics(Magics):
         "store and Gloo listen on their hosts' addresses; needed for --launcher ssh and when "
         "an attached cluster spans hosts)",
     )
+    @argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="idle engines kept ready to replace dead or restarted ranks in a fraction of a "
+        "second (default 1; each costs a Python with torch imported, about 165 MiB)",
+    )
+    @argument(
+        "--heal",
+        default=None,
+        choices=["auto", "off"],
+        help="auto: a rank that dies in a cell is replaced at once (%%dist_heal), copying "
+        "--heal-copy from a survivor (default off)",
+    )
+    @argument(
+        "--heal-copy",
+        default=None,
+        metavar="NAMES",
+        help="with --heal auto: the variables copied to the new rank, e.g. model,opt,step",
+    )
     @line_magic
     def dist_init(self, line: str = ""):
         """Start the ranks: one engine per GPU (or -n CPU ranks), process group ready.
@@ -152,6 +177,9 @@ class DistMagics(Magics):
                     cluster_id=args.cluster_id,
                     network=args.network,
                     hang_after=args.hang_after,
+                    spares=args.spares,
+                    heal=args.heal,
+                    heal_copy=args.heal_copy,
                 )
             )
         print("\n".join(said))

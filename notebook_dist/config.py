@@ -12,13 +12,49 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+#: torch's collective timeout when the notebook watches for stuck cells itself: a day
+COLLECTIVE_WAIT_S = 24 * 3600.0
+
 
 @dataclass
 class DistConfig:
-    timeout_s: float = 300.0
-    """Collective timeout of the default process group (``--timeout``). torch's default
-    is 30 min for Gloo and 10 min for NCCL; 5 min is long enough for real steps and short
-    enough that a mistake does not cost the session."""
+    timeout_s: float | None = None
+    """torch's own collective timeout for the default process group (``--timeout``). None
+    (the default): torch lets a collective wait :data:`COLLECTIVE_WAIT_S`, and the notebook
+    ends a stuck cell itself after ``stuck_after_s``, never while a rank waits at a prompt
+    (its debugger, ``input()``). torch's timeout cannot tell a hang from a rank the user is
+    stepping through: a collective's deadline is fixed when it is issued."""
+
+    stuck_after_s: float = 300.0
+    """When no rank of a running cell has made progress for this long and none waits for
+    the user, the notebook stops the cell as the stop button does (the ranks released from
+    their collectives, the group rebuilt, every variable kept) and says the doctor's
+    verdict: 5 min is long enough for real steps and short enough that a mistake does not
+    cost the session. Also the longest a rank waits for the others in the rendezvous store
+    (``new_group()``)."""
+
+    def collective_timeout_s(self) -> float:
+        """What torch is told: ``timeout_s``, or a wait as long as a cell may take."""
+        return self.timeout_s if self.timeout_s is not None else COLLECTIVE_WAIT_S
+
+    def store_timeout_s(self) -> float:
+        return self.timeout_s if self.timeout_s is not None else self.stuck_after_s
+
+    spare_engines: int = 1
+    """Idle engines kept ready beside a local cluster's ranks (``%dist_init --spares``),
+    torch imported, to stand in for a dead rank (``%dist_heal``) or a restarted one
+    (``%dist_restart``) in the time it takes to make a process group; refilled in the
+    background when taken. Each costs the memory of a Python with torch imported, about
+    165 MiB of its own here (docs/guide.md, "Heal"); as many as ranks make a restart as
+    quick as a heal. 0: engines are started when needed."""
+
+    heal: str = "off"
+    """``"auto"`` (``%dist_init --heal auto``): when a rank dies in a cell, it is healed at
+    once (``%dist_heal``), copying ``heal_copy`` from a survivor, and the cell says what was
+    replayed and copied. ``"off"``: the cell says how the rank died and what to run."""
+
+    heal_copy: tuple[str, ...] = ()
+    """The variables an automatic heal copies to the new rank (``--heal-copy model,opt``)."""
 
     start_timeout_s: float = 120.0
     """How long to wait for every engine to start and register before giving up."""
@@ -64,6 +100,11 @@ class DistConfig:
     dashboard: str = "auto"
     """``auto`` (live widgets in Jupyter, text elsewhere), ``widget``, ``text`` or ``off``;
     ``%%distributed --no-dashboard`` turns it off for one cell."""
+
+    dashboard_full_table: bool = False
+    """From 9 ranks the dashboard groups the ranks by what they do (the stuck and the slow
+    first) with one square per rank, and the full table one click away in a notebook; in
+    the text form (a terminal, nbconvert) True prints every rank's row instead."""
 
     dashboard_quiet_s: float = 1.0
     """A cell that ends sooner than this, with no ``nd.report``, error, release or hang,

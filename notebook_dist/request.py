@@ -32,8 +32,11 @@ class ClusterRequest:
     profile: str | None = None  # attach: the ipcluster's profile
     cluster_id: str | None = None  # attach: the ipcluster's cluster id
     network: bool = False
-    #: not part of what the cluster is: a running cluster takes a new one as it is
+    #: not part of what the cluster is: a running cluster takes new ones as they are
     hang_after: float | None = field(default=None, compare=False)
+    spares: int | None = field(default=None, compare=False)  # DistConfig.spare_engines
+    heal: str | None = field(default=None, compare=False)  # "auto" or "off": DistConfig.heal
+    heal_copy: str | None = field(default=None, compare=False)  # "model,opt"
 
     @property
     def attach(self) -> bool:
@@ -58,6 +61,27 @@ class ClusterRequest:
         for option, value in (("--hang-after", self.hang_after), ("--timeout", self.timeout)):
             if value is not None and (not math.isfinite(value) or value <= 0):
                 raise PreflightError(f"{option} {value}: give a positive number of seconds")
+        if self.spares is not None and self.spares < 0:
+            raise PreflightError(f"--spares {self.spares}: give 0 or more engines")
+        if self.heal not in (None, "auto", "off"):
+            raise PreflightError(f"--heal {self.heal}: give auto or off")
+        for name in (self.heal_copy or "").split(","):
+            if name.strip() and not name.strip().isidentifier():
+                raise PreflightError(f"--heal-copy {name.strip()!r}: not a valid Python name")
+
+    def settings(self, cluster) -> None:
+        """The options a cluster takes as they are, new or running: the hang's seconds,
+        the warm pool's size, healing."""
+        config = cluster.config
+        if self.hang_after is not None:
+            config.hang_after_s = self.hang_after
+        if self.heal is not None:
+            config.heal = self.heal
+        if self.heal_copy is not None:
+            config.heal_copy = tuple(n.strip() for n in self.heal_copy.split(",") if n.strip())
+        if self.spares is not None:
+            config.spare_engines = self.spares
+            cluster.processes.pool.resize(self.spares)
 
     def cluster(self):
         """The cluster this asks for, planned and checked (its preflight errors raised as
@@ -87,7 +111,6 @@ class ClusterRequest:
             made = DistCluster(
                 port=self.port, launcher=self.launcher, config=config, ssh_hosts=hosts, **common
             )
-        if self.hang_after is not None:
-            made.config.hang_after_s = self.hang_after
+        self.settings(made)
         made.asked = self
         return made

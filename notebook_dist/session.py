@@ -48,8 +48,7 @@ class Session:
         request.check()
         live = self.current()
         if live is not None and getattr(live, "asked", None) == request:
-            if request.hang_after is not None:
-                live.config.hang_after_s = request.hang_after
+            request.settings(live)
             return [
                 f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend})."
             ]
@@ -147,6 +146,10 @@ class Session:
         )
         return out
 
+    def heal(self, copy: list[str], source: int | None) -> str:
+        """``%dist_heal``: every dead rank replaced, the survivors' variables kept."""
+        return self.live().heal(copy, source).text()
+
     # ---- cells ----------------------------------------------------------------------------
 
     def run_cell(
@@ -179,7 +182,11 @@ class Session:
         for line in said:
             print(line)
         config = cluster.config
-        board = make_dashboard(config.dashboard if dashboard else "off", config.dashboard_quiet_s)
+        board = make_dashboard(
+            config.dashboard if dashboard else "off",
+            config.dashboard_quiet_s,
+            config.dashboard_full_table,
+        )
         feed = DashboardFeed(board) if board is not None else None
         before = cluster.last_watch
         try:

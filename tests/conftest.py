@@ -221,14 +221,21 @@ def kernel(tmp_path_factory):
     channel). ``kernel(code, answers)`` runs a cell, answering each input request with the
     next answer ("c" when they run out), and returns (everything the cell showed, the
     prompts it asked, the error name or None); ``messages`` (a list) also gets each output
-    message as (type, stream name or display id, text, the display's data)."""
+    message as (type, stream name or display id, text, the display's data);
+    ``answer_after_s``: how long each answer takes."""
     from jupyter_client.manager import start_new_kernel
 
     folder = tmp_path_factory.mktemp("kernel")
     env = dict(os.environ, IPYTHONDIR=str(folder / "ipython"))
     km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(folder))
 
-    def run(code: str, answers=(), timeout: float = 120, messages: list | None = None):
+    def run(
+        code: str,
+        answers=(),
+        timeout: float = 120,
+        messages: list | None = None,
+        answer_after_s: float = 0.0,
+    ):
         answers = list(answers)
         messages = [] if messages is None else messages
         msg_id = kc.execute(code, allow_stdin=True)
@@ -238,6 +245,7 @@ def kernel(tmp_path_factory):
             try:
                 req = kc.get_stdin_msg(timeout=0.05)
                 prompts.append(req["content"]["prompt"])
+                time.sleep(answer_after_s)  # a person reading the prompt
                 kc.input(answers.pop(0) if answers else "c")
             except queue.Empty:
                 pass

@@ -239,3 +239,80 @@ def test_report_keeps_latest_values_and_a_bounded_chart_of_each_number():
         assert snap["series"]["ok"][-1] == (1000.0, 1.0)
     finally:
         STATE.metrics, STATE.series, STATE.reports, STATE.cell_state = saved
+
+
+def many_ranks(n: int = 32) -> DashboardState:
+    """32 ranks: most in one all_reduce, one slow rank still computing, one dead."""
+    st = DashboardState(world_size=n, backend="gloo", devices=["cpu"] * n, ranks=list(range(n)))
+    st.wall_s = 41.0
+    for r in range(n):
+        row = RankRow(rank=r, state="in collective", collective="all_reduce #3", step=41, total=100)
+        if r == 5:
+            row = RankRow(rank=r, state="running", step=40, total=100, straggler=True)
+        if r == 17:
+            row = RankRow(rank=r, state="dead", healed=2)
+        st.rows[r] = row
+    return st
+
+
+def test_many_ranks_are_grouped_with_the_ones_that_need_a_look_first():
+    from notebook_dist.ui.compact import groups
+
+    labels = [g.label() for g in groups(many_ranks())]
+    assert labels == [
+        "rank 5: running (straggler) · step 40/100",
+        "rank 17: dead",
+        "ranks 0-4, 6-16, 18-31: in collective all_reduce #3 · step 41/100",
+    ]
+    text = render_text(many_ranks())
+    assert text.splitlines()[1:4] == labels and "rank  state" not in text
+    full = render_text(many_ranks(), full=True)  # DistConfig.dashboard_full_table
+    assert len([ln for ln in full.splitlines()[1:] if re.match(r"\d+ ", ln)]) == 32
+    few = many_ranks(8)
+    few.rows.pop(5)
+    few.ranks = [r for r in few.ranks if r in few.rows]
+    assert "rank  state" in render_text(few)  # up to 8 ranks: the table, a row each
+
+
+def test_the_compact_view_keeps_every_row_one_click_away():
+    from notebook_dist.ui.html import render_html
+
+    page = render_html(many_ranks())
+    assert page.count("class='nd-group'") == 3 and page.count("nd-rank-row") == 32
+    assert page.count("class='nd-cell nd-cell-") == 32  # the strip: a square per rank
+    assert "<details class='nd-all-ranks'" in page and "every rank (32)" in page
+    assert "title='rank 17: dead (healed 2x)'" in page
+
+
+def test_thirty_two_ranks_read_on_one_screen_in_chromium(tmp_path):
+    import os
+    import shutil
+
+    from notebook_dist.ui.html import render_html
+
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        if os.environ.get("NOTEBOOK_DIST_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"no Chromium at {chromium}: apt-get install chromium")
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    html_file = tmp_path / "dashboard.html"
+    html_file.write_text(f"<html><body>{render_html(many_ranks())}</body></html>")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.goto(html_file.as_uri())
+            board = page.locator(".nd-dashboard")
+            closed = board.bounding_box()
+            assert closed["height"] < 200, closed  # groups and strip: a few lines, not 32 rows
+            assert not page.locator("tr.nd-rank-row").first.is_visible()
+            board.screenshot(path=str(tmp_path / "compact.png"))
+            page.locator("summary").click()  # the full table, one click away
+            assert page.locator("tr.nd-rank-row").nth(31).is_visible()
+            assert board.bounding_box()["height"] > closed["height"] * 3
+        finally:
+            browser.close()

@@ -84,3 +84,71 @@ def test_answers_given_in_advance_drive_the_debugger(kernel):
     )
     assert error is None and prompts == [], (out, prompts)
     assert "[rank 0] 0\n" in out and "[rank 1] 100\n" in out, out
+
+
+def test_set_trace_and_torch_distributed_breakpoint_stop_the_rank_that_calls_them(kernel):
+    out, prompts, error = kernel(
+        "%%distributed\nimport pdb\ny = nd.rank + 7\nif nd.rank == 0:\n    pdb.set_trace()\ny",
+        answers=["p y * 2", "c"],
+    )
+    assert error is None, out
+    assert prompts == ["[rank 0] (Pdb) "] * 2, prompts
+    assert "[rank 0] 14" in out, out
+    # torch's own: rank 1 stops, rank 0 waits in its barrier; skip=1 passes the first time
+    code = (
+        "%%distributed\nhits = []\nfor i in range(2):\n"
+        "    hits.append(i)\n    torch.distributed.breakpoint(rank=1, skip=1)\nlen(hits)"
+    )
+    out, prompts, error = kernel(code, answers=["p i", "c"])
+    assert error is None, out
+    assert prompts == ["[rank 1] (Pdb) "] * 2, prompts  # once: the second time round
+    assert "[rank 1] 1\n" in out and "[rank 0] 2" in out, out
+
+
+def test_a_command_sent_to_a_set_of_ranks(kernel):
+    out, prompts, error = kernel(
+        "%%distributed\nx = nd.rank * 10\nbreakpoint()\ndist.barrier()",
+        answers=[":on 1 p x + 2", "c", "c"],
+    )
+    assert error is None, out
+    assert "[rank 1] 12\n" in out and "[rank 0] 2\n" not in out, out
+    assert "sent 'p x + 2' to rank 1." in out, out
+
+
+@pytest.fixture
+def stuck_after(kernel):
+    """The notebook stops a stuck cell after 2 s here (5 min by default)."""
+    kernel("from notebook_dist import session\nsession.current().config.stuck_after_s = 2.0")
+    yield
+    kernel("session.current().config.stuck_after_s = 300.0")
+
+
+def test_a_debugger_session_longer_than_a_stuck_cell_ends_nothing(kernel, stuck_after):
+    out, _, error = kernel(
+        "%%distributed\nfrom notebook_dist.runtime.state import STATE\nSTATE.timeout_s"
+    )
+    assert error is None and "[rank 0] 86400.0" in out, out  # torch is told to wait a day
+    out, prompts, error = kernel(
+        "%%distributed\nx = nd.rank\nif nd.rank == 1:\n    breakpoint()\ndist.barrier()\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t) + x",
+        answers=["c"],
+        answer_after_s=5.0,  # longer than the 2 s after which a stuck cell is stopped
+    )
+    assert error is None, out
+    assert prompts == ["[rank 1] (Pdb) "], prompts
+    assert "[rank 0] 2.0" in out and "[rank 1] 3.0" in out, out
+    assert "stopping the cell" not in out and "released" not in out, out
+
+
+def test_a_stuck_cell_nobody_stops_is_stopped_with_its_verdict_and_variables_kept(
+    kernel, stuck_after
+):
+    out, _, error = kernel(
+        "%%distributed --hang-after 1\nkept = nd.rank + 3\nt = torch.ones(1)\n"
+        "if nd.rank == 0:\n    dist.all_reduce(t)"
+    )
+    assert error == "HangError", out
+    assert "The cell was stopped: no rank made progress for DistConfig.stuck_after_s" in out
+    assert "Rank 0 called all_reduce #1" in out, out
+    out, _, error = kernel("%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\n(kept, float(t))")
+    assert error is None and "[rank 0] (3, 2.0)" in out and "[rank 1] (4, 2.0)" in out, out

@@ -97,7 +97,9 @@ def test_shutdown_and_dead_rank_report():
             cluster.run("1 + 1")
         assert (
             str(info.value)
-            == "rank 1 was killed by SIGKILL. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
+            == "rank 1 was killed by SIGKILL. Run %dist_heal for a fresh rank in its place while "
+            "the others keep their variables (--copy NAMES gives it yours), or %dist_restart for "
+            "a fresh set of ranks (or %dist_shutdown)."
         )
         rows = cluster.status()
         assert rows[1]["state"] == "dead (was killed by SIGKILL)" and rows[0]["state"] == "idle"
@@ -117,7 +119,9 @@ def test_rank_dying_during_a_cell_ends_the_cell():
         assert cluster.last_watch.views[0].result["error"]["ename"] == "KeyboardInterrupt"
         assert (
             str(info.value)
-            == "rank 1 exited with code 7. Run %dist_restart (add --replay to re-run your setup cells)."
+            == "rank 1 exited with code 7. Run %dist_heal for a fresh rank in its place while the "
+            "others keep their variables (--copy NAMES gives it yours), or %dist_restart (add "
+            "--replay to re-run your setup cells)."
         )
         pids = [r.pid for r in cluster.ranks]
     assert _wait_gone(pids, 5.0) == []

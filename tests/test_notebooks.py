@@ -191,6 +191,21 @@ def test_06_debugging(run_notebook):
     ), bug6
     busy = _errors(_cell(nb, "%%distributed --hang-after 3 --on-hang stop\nnd.faults.busy"))
     assert busy[0][0] == "HangError" and busy[0][1].startswith("Rank 1 is busy in Python")
+    # torch's own timeout (4 s here): said in plain words, the group rebuilt, variables kept
+    timed = _cell(nb, "%%distributed --hang-after 60\n")
+    errors = _errors(timed)
+    assert errors[0][0] == "RankError" and "Timed out waiting 4000ms" in errors[0][1], errors
+    note = re.search(r"notebook_dist: torch's collective timeout.*", _texts(timed)).group(0)
+    assert re.fullmatch(
+        r"notebook_dist: torch's collective timeout \(4 s, %dist_init --timeout\) ended "
+        r"all_reduce #1 at line 5 on rank 0, after [\d.]+ s of waiting\. Why it waited: Rank 0 "
+        r"called all_reduce #1 at line 5, but rank 1 finished the cell without calling it\. Line "
+        r"5 is inside `if nd\.rank == 0:` \(line 4\), .* The process group could not be used any "
+        r"more; it was rebuilt \([\d.]+ s\) and every rank kept its variables\.",
+        note,
+    ), note
+    after = _texts(_cell(nb, "%%distributed\nt = torch.ones(2)\ndist.all_reduce(t)  # the group"))
+    assert "(tensor([2., 2.]), 100)" in after and "(tensor([2., 2.]), 101)" in after, after
 
 
 def test_12_debugging(run_notebook):
@@ -274,10 +289,20 @@ def test_08_tensor_parallel(run_notebook):
 
 def test_09_fault_tolerance(run_notebook):
     nb = run_notebook("09_fault_tolerance")
+    # heal: rank 1 killed at step 25, replaced, its state copied from rank 0, no step lost
+    killed = _errors(_cell(nb, "%%distributed\ntrain_ddp(1, 40, crash_at=25)"))
+    assert killed[0][0] == "ClusterError" and "Run %dist_heal" in killed[0][1], killed
+    healed = _texts(_cell(nb, "%dist_heal --copy ddp,ddp_opt,ddp_losses"))
+    assert re.search(r"healed rank 1 in [\d.]+ s \(rank 1 was killed by SIGKILL\)", healed), healed
+    assert "replayed 2 setup cells alone" in healed
+    assert "Copied ddp, ddp_opt, ddp_losses from rank 0" in healed
+    on = _texts(_cell(nb, "%%distributed\ntrain_ddp(len(ddp_losses) + 1, 40)"))
+    assert "[rank 0] (40, 40)" in on and "[rank 1] (40, 40)" in on, on
+    assert "all 2 ranks agree" in _texts(_cell(nb, "%dist_compare ddp.module"))
     crash = _errors(_cell(nb, "%%distributed\nmodel, opt = make_model()\nlosses = []\ntrain(1, 40"))
     assert crash[0][0] == "ClusterError"
     assert crash[0][1].startswith("rank 1 was killed by SIGKILL"), crash
-    assert "Run %dist_restart" in crash[0][1]
+    assert "Run %dist_heal" in crash[0][1] and "or %dist_restart" in crash[0][1]
     assert "['step-0010', 'step-0020']" in _texts(_cell(nb, "import os"))
     assert "(25, (25, " in _texts(_cell(nb, "%dist_pull losses --ranks 0\nfirst_run"))
     resumed = _texts(

@@ -72,6 +72,20 @@ def test_when_no_rank_runs_any_more_nothing_is_released():
     assert decide(at(9.0, failed=(1,), dead=(2,)), AFTER, ABANDON) == Decision()
 
 
+def test_a_stuck_cell_is_stopped_only_when_torch_has_no_timeout_of_the_users():
+    from notebook_dist.config import DistConfig
+    from notebook_dist.watch.policy import STUCK, on_hang
+
+    config = DistConfig(stuck_after_s=300.0)
+    assert on_hang(299.0, "show", config, False).stop is None  # the verdict shows, it goes on
+    stuck = on_hang(300.0, "show", config, False)
+    assert stuck.stuck and stuck.stop == STUCK and stuck.said.startswith("The cell was stopped")
+    assert not on_hang(300.0, "show", config, True).stuck  # not again while stopping
+    assert on_hang(10.0, "stop", config, False).stop == "--on-hang stop"
+    timed = DistConfig(timeout_s=60.0, stuck_after_s=300.0)  # torch's own ends it
+    assert not on_hang(900.0, "show", timed, False).stuck
+
+
 ROOT = Path(__file__).resolve().parents[1] / "notebook_dist"
 
 

@@ -133,6 +133,8 @@ class DistCluster:
         self.stop_note = ""
         #: the %dist_init request it was made from (notebook_dist.request), if any
         self.asked = None
+        #: rank -> how many times it was healed (replaced by a fresh engine)
+        self.healed: dict[int, int] = {}
 
     def _processes(self) -> Processes:
         return Processes(self.config, self.launcher)
@@ -178,6 +180,7 @@ class DistCluster:
             raise
         self.startup_s = time.perf_counter() - t0
         self.state = "running"
+        self.processes.pool.fill()  # spares start in the background, after the ranks
         if self.config.loopback_only:  # every rank is on this machine: tensors go through tmpfs
             self.shm_dir = shm_dir_for(self.cluster_id)
             if self.shm_dir and self.processes.reaper is not None:
@@ -237,7 +240,8 @@ class DistCluster:
     def dead_note(self) -> str:
         """What to say when ranks have ended, and what to do; "" while every rank lives."""
         dead = self.dead_ranks() if self.running else {}
-        return ended_message(dead, self.world_size) if dead else ""
+        healable = self.processes.spares_possible()
+        return ended_message(dead, self.world_size, healable) if dead else ""
 
     # ---- running on the ranks (cells.py): each is that module's function, self first ----
 
@@ -250,6 +254,13 @@ class DistCluster:
     clock_offsets = cells.clock_offsets
 
     # ---- inspection (notebook_dist.inspect) ---------------------------------------------
+
+    def heal(self, copy=(), source: int | None = None):
+        """Replace every dead rank with a fresh one and keep the survivors' variables
+        (:func:`notebook_dist.heal.heal`)."""
+        from ..heal import heal
+
+        return heal(self, copy, source)
 
     def compare(self, expr: str, ranks: Any = None, atol: float = 0.0, rtol: float = 0.0):
         """What differs across ranks in EXPR (a tensor, module, optimizer or container)."""

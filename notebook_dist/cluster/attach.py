@@ -49,6 +49,9 @@ class AttachedProcesses(Processes):
     def controller_alive(self) -> bool:
         return self.client is not None and not getattr(self.client, "_closed", False)
 
+    def spares_possible(self) -> bool:
+        return False  # the engines are whoever started them's
+
     def stop(self, also_remove=()) -> None:
         """End the process group on every rank; the engines keep running."""
         client = self.client

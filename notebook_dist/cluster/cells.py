@@ -125,7 +125,7 @@ def run(
     )
     watch.run_to_end()
     if any(v.status == "dead" for v in watch.views.values()):
-        raise ClusterError((watch.final or watch.verdicts.diagnose()).verdict)
+        _ended_ranks(cluster, watch)
     results = [watch.views[r].result for r in selected]
     result = _collected(watch, selected, results, gather, out)
     result.elapsed_s = time.perf_counter() - t0
@@ -172,6 +172,22 @@ def push_modules(cluster, names: list[str], ranks: Any = None) -> list[str]:
         apply(cluster, rt_workspace.install_module, name, source, origin, ranks=ranks)
         sent.append(name)
     return sent
+
+
+def _ended_ranks(cluster, watch) -> None:
+    """A rank died in the cell: say how, and with ``DistConfig.heal == "auto"`` heal it
+    at once (the cell itself still failed: rerun it)."""
+    said = (watch.final or watch.verdicts.diagnose()).verdict
+    if cluster.config.heal == "auto":
+        from ..errors import NotebookDistError
+
+        try:
+            said += " " + cluster.heal(cluster.config.heal_copy).text().removeprefix(
+                "notebook_dist: "
+            ).replace("healed", "Healed at once (--heal auto):", 1)
+        except NotebookDistError as exc:
+            said += f" Healing at once (--heal auto) failed: {exc}"
+    raise ClusterError(said)
 
 
 def _profiling(cluster, selected: list[int]) -> tuple[str, dict[int, int]]:

@@ -48,12 +48,16 @@ class Processes:
         self.ranks: list = []  # RankInfo, once the engines are ranks
         #: rank -> the launcher of its engine (its exit code; for ssh, the way to its host)
         self.rank_launchers: dict[int, Any] = {}
-        self._by_pid: dict[int, Any] = {}
+        self.by_pid: dict[int, Any] = {}
         #: every local process this cluster started, as recorded when it started: the only
         #: ones it ever signals (notebook_dist.signals)
         self.started: list[Started] = []
         #: rank -> its engine's process, for ranks on this machine
         self.rank_procs: dict[int, Started] = {}
+        from .spares import SparePool
+
+        #: idle engines ready to stand in for dead ranks (notebook_dist.heal)
+        self.pool = SparePool(self, config.spare_engines if self.spares_possible() else 0)
 
     # ---- starting ---------------------------------------------------------------------
 
@@ -93,7 +97,8 @@ class Processes:
                 )
             time.sleep(0.02)
         self.engine_ids = sorted(client.ids)[:n]
-        self._by_pid = {p.pid: el for el in launchers for p in self.started if p.pid == el.pid}
+        #: pid -> launcher of every engine started here (the ranks', spares' added later)
+        self.by_pid = {p.pid: el for el in launchers for p in self.started if p.pid == el.pid}
         if not launcher.ordered_by_probe:
             return None
         from ..plan import rank_order
@@ -121,7 +126,7 @@ class Processes:
         self.ranks = ranks
         ours = {p.pid: p for p in self.started}
         for r in ranks:
-            self.rank_launchers[r.rank] = self._by_pid.get(r.pid)
+            self.rank_launchers[r.rank] = self.by_pid.get(r.pid)
             if not self.local(r.rank):
                 continue
             proc = ours.get(r.pid)
@@ -133,6 +138,10 @@ class Processes:
                         self.reaper.watch(proc)
             if proc is not None:
                 self.rank_procs[r.rank] = proc
+
+    def spares_possible(self) -> bool:
+        """Whether more engines can be started for this cluster from here (local only)."""
+        return self.launcher.name == "local"
 
     @property
     def cluster_id(self) -> str:
@@ -202,7 +211,7 @@ class Processes:
             )
         dead = {r: how for r, how in self.dead_ranks().items() if r in ranks}
         if dead:
-            raise ClusterError(ended_message(dead, len(self.ranks)))
+            raise ClusterError(ended_message(dead, len(self.ranks), self.spares_possible()))
 
     # ---- stopping ---------------------------------------------------------------------
 
@@ -217,6 +226,7 @@ class Processes:
     def stop(self, also_remove: tuple[str | None, ...] = ()) -> list[Started]:
         """Stop every process started here, by pid; remove the cluster's folders. Returns
         the recorded processes that were still running and had to be ended here."""
+        self.pool.close()  # no engine starts while the cluster stops
         launchers = self.all_launchers()  # (stopping the cluster forgets them)
         self._exit_idle_ranks()
         if self.client is not None:
@@ -268,13 +278,20 @@ class Processes:
             time.sleep(0.05)
 
 
-def ended_message(dead: dict[int, str], world_size: int) -> str:
-    """What to say of ranks whose processes have ended, and what to do."""
+def ended_message(dead: dict[int, str], world_size: int, healable: bool = True) -> str:
+    """What to say of ranks whose processes have ended, and what to do (``healable``: the
+    cluster can start stand-ins, %dist_heal)."""
     what = "; ".join(f"rank {r} {how}" for r, how in sorted(dead.items()))
     if len(dead) == world_size and world_size > 1:
         return (
             f"Every rank has ended: {what}. Their variables are gone. Run %dist_restart for fresh "
             "ranks (add --replay to re-run your setup cells), or %dist_shutdown."
+        )
+    if healable:
+        return (
+            f"{what}. Run %dist_heal for a fresh rank in its place while the others keep "
+            "their variables (--copy NAMES gives it yours), or %dist_restart for a fresh set "
+            "of ranks (or %dist_shutdown)."
         )
     return f"{what}. Run %dist_restart for a fresh set of ranks (or %dist_shutdown)."
 

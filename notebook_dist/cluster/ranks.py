@@ -41,36 +41,8 @@ def join(
     """Make every engine its rank of the plan. Returns the ranks, what each reported of its
     start (import and init seconds; the benchmarks read them) and notes for the user (an
     environment variable of theirs that the ranks override)."""
-    client = processes.client
     port = port or rendezvous_port(processes, plan)
-    pending = []
-    for rp, eid in zip(plan.ranks, processes.engine_ids):
-        env = dict(rp.env, MASTER_PORT=str(port))
-        pending.append(
-            client[eid].apply_async(
-                rt_bootstrap.bootstrap,
-                env,
-                rp.device,
-                plan.backend,
-                config.timeout_s,
-                config.rank_overrides(),
-                processes.control_file(rp.rank),
-                config.publish_interval_s,
-                config.flight_recorder_entries,
-            )
-        )
-    infos = []
-    for rank, ar in enumerate(pending):
-        try:
-            infos.append(ar.get(timeout=config.start_timeout_s))
-        except Exception as exc:
-            from .launchers import import_hint
-
-            message = remote_message(exc)
-            raise ClusterError(
-                f"rank {rank} could not join the process group: {message}"
-                + import_hint(message, config)
-            ) from None
+    infos = _bootstrap(processes, plan, config, list(range(plan.world_size)), port)
     ranks = [
         RankInfo(
             rank, eid, i["host"], i["pid"], i["device"], i["backend"], i["machine"], i["start"]
@@ -92,6 +64,65 @@ def join(
         for key, old in sorted(overridden.items())
     ]
     return ranks, infos, notes
+
+
+def join_alone(
+    processes: Processes, plan: ClusterPlan, config: DistConfig, ranks: list[int]
+) -> list[RankInfo]:
+    """Stand-ins for dead ``ranks`` (their engines already in ``processes.engine_ids``):
+    each its rank of the plan in a group of its own (``runtime.heal``), until the real
+    group is made with the survivors."""
+    infos = _bootstrap(processes, plan, config, ranks, port=None)
+    return [
+        RankInfo(
+            r,
+            processes.engine_ids[r],
+            i["host"],
+            i["pid"],
+            i["device"],
+            plan.backend,
+            i["machine"],
+            i["start"],
+        )
+        for r, i in zip(ranks, infos)
+    ]
+
+
+def _bootstrap(processes, plan, config, ranks: list[int], port: int | None) -> list[dict]:
+    """Each of ``ranks``' engines bootstrapped as that rank, side by side (``port``: the
+    real group's rendezvous; None: alone, for stand-ins)."""
+    pending = []
+    for r in ranks:
+        rp = plan.ranks[r]
+        env = dict(rp.env, MASTER_PORT=str(port or 0))
+        pending.append(
+            processes.client[processes.engine_ids[r]].apply_async(
+                rt_bootstrap.bootstrap,
+                env,
+                rp.device,
+                plan.backend,
+                config.collective_timeout_s(),
+                config.rank_overrides(),
+                processes.control_file(r),
+                config.publish_interval_s,
+                config.flight_recorder_entries,
+                config.store_timeout_s(),
+                alone=port is None,
+            )
+        )
+    infos = []
+    for rank, ar in zip(ranks, pending):
+        try:
+            infos.append(ar.get(timeout=config.start_timeout_s))
+        except Exception as exc:
+            from .launchers import import_hint
+
+            message = remote_message(exc)
+            raise ClusterError(
+                f"rank {rank} could not join the process group: {message}"
+                + import_hint(message, config)
+            ) from None
+    return infos
 
 
 def remote_message(exc: BaseException) -> str:

@@ -174,7 +174,12 @@ def fault_report(cluster, rank: int) -> dict[str, Any]:
 
 
 def restarted(cluster):
-    """Stop the cluster and return a fresh one with the same request (and history)."""
+    """Fresh ranks with the same request (and history). A local cluster whose controller
+    lives keeps it: its ranks' engines are ended and engines from the warm pool (started
+    now when it holds too few) become the ranks. Otherwise the cluster is stopped and a
+    fresh one started."""
+    if cluster.running and cluster.processes.spares_possible() and cluster.controller_alive():
+        return _restarted_in_place(cluster)
     fresh = type(cluster)(
         n=cluster.request["n"],
         backend=cluster.request["backend"],
@@ -190,6 +195,24 @@ def restarted(cluster):
     fresh.start()
     fresh.history = history
     return fresh
+
+
+def _restarted_in_place(cluster):
+    from . import ranks as rank_setup
+    from .processes import stop_note
+    from .spares import retire_ranks, stand_in
+
+    processes = cluster.processes
+    dead = retire_ranks(processes)
+    cluster.stop_note = stop_note(cluster.world_size, dead, controller_gone=True)
+    for r, spare in enumerate(processes.pool.take(cluster.world_size)):
+        stand_in(processes, r, spare)
+    cluster.ranks, cluster.bootstrap_info, _ = rank_setup.join(
+        processes, cluster.plan, cluster.config, cluster.port
+    )
+    processes.ranks_joined(cluster.ranks)
+    cluster.group_lost, cluster.last_watch, cluster.healed = None, None, {}
+    return cluster
 
 
 def replay(

@@ -37,11 +37,15 @@ def bootstrap(
     control_file: str | None = None,
     publish_interval: float = 0.5,
     flight_recorder_entries: int | None = None,
+    store_timeout_s: float | None = None,
+    alone: bool = False,
 ) -> dict:
     """Set torchrun's environment, pin the device, and initialise the default group.
 
     ``overrides`` are interactive-safe settings; a user-set value that differs is
-    replaced and reported back, so the notebook can say so.
+    replaced and reported back, so the notebook can say so. ``alone``: a stand-in for a
+    dead rank joins a group of its own first (``runtime.heal``); the real one is made
+    with the survivors afterwards.
     """
     t0 = time.perf_counter()
     overridden = _set_environment(env, overrides)
@@ -54,13 +58,14 @@ def bootstrap(
         flight_recorder_env(flight_recorder_entries, torch.__version__)
     rank = int(env["RANK"])
     world_size = int(env["WORLD_SIZE"])
-    _join_group(dist, torch, backend, rank, world_size, timeout_s, device)
+    _join_group(dist, torch, backend, rank, world_size, timeout_s, device, store_timeout_s, alone)
     STATE.rank = rank
     STATE.world_size = world_size
     STATE.local_rank = int(env["LOCAL_RANK"])
     STATE.device = device
     STATE.backend = backend
     STATE.timeout_s = timeout_s
+    STATE.store_timeout_s = store_timeout_s
     STATE.extras["cluster_env"] = {k: env[k] for k in group.CLUSTER_ENV if k in env}
     STATE.bootstrapped = True
     _start_agent(control_file, publish_interval)
@@ -102,7 +107,9 @@ def _set_environment(env: dict[str, str], overrides: dict[str, str]) -> dict[str
     return overridden
 
 
-def _join_group(dist, torch, backend, rank, world_size, timeout_s, device) -> None:
+def _join_group(
+    dist, torch, backend, rank, world_size, timeout_s, device, store_timeout_s, alone=False
+) -> None:
     """The device pinned, the guards and the tracker installed, the default group made."""
     from . import recover, tracker
 
@@ -124,7 +131,14 @@ def _join_group(dist, torch, backend, rank, world_size, timeout_s, device) -> No
     tracker.TRACKER.device = device
     group.destroy_default_group()
     recover.remember_preexisting_sockets()
-    group.init_default_group(backend, rank, world_size, timeout_s, device)
+    if alone:
+        from .heal import join_alone
+
+        join_alone(rank, world_size)
+        return
+    group.init_default_group(
+        backend, rank, world_size, timeout_s, device, store_timeout_s=store_timeout_s
+    )
 
 
 def _prepare_namespace(torch, dist) -> None:

@@ -71,9 +71,28 @@ class RankPdb(pdb.Pdb):
     def __init__(self):
         # nosigint: the stop button interrupts the cell, as in any cell (pdb's own handler
         # would only stop at the next line)
-        super().__init__(stdin=sys.stdin, stdout=sys.stdout, nosigint=True)
+        # skip: stepping never enters the tool's own frames (the collective tracker's wrapper)
+        super().__init__(
+            stdin=sys.stdin, stdout=sys.stdout, nosigint=True, skip=["notebook_dist.*"]
+        )
         self.use_rawinput = True  # cmd.Cmd then calls input(): ours, below
         self.prompt = "(Pdb) "
+
+    def stop_here_now(self, frame) -> None:
+        """The prompt at once, at ``frame``'s current line (pdb's set_trace stops at the
+        next event instead): c goes on untraced; n, s or r stop again as asked; q quits."""
+        import bdb
+
+        self.reset()
+        here = frame
+        while frame is not None:  # as bdb's set_trace: every frame up to the outermost
+            frame.f_trace = self.trace_dispatch
+            self.botframe, frame = frame, frame.f_back
+        self.interaction(here, None)
+        if self.quitting:
+            raise bdb.BdbQuit
+        if not (self.stopframe is self.botframe and self.stoplineno == -1):
+            sys.settrace(self.trace_dispatch)
 
     def cmdloop(self, intro=None):
         saved = builtins.input
@@ -100,14 +119,31 @@ def set_trace(*, header: str | None = None) -> None:
     debugger.set_trace(sys._getframe(1))
 
 
-def dist_breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
-    """``torch.distributed.breakpoint(rank)``: ``rank`` stops in the debugger, the others
-    wait for it in a barrier, as torch's own does (which opens /dev/stdin instead)."""
-    import torch.distributed as dist
+#: how often each torch.distributed.breakpoint() call site was reached (for ``skip``)
+_reached: dict[tuple[str, int], int] = {}
 
+
+def dist_breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600) -> None:
+    """``torch.distributed.breakpoint(rank, skip, timeout_s)`` as torch's own (which opens
+    /dev/stdin instead): ``rank`` stops in the debugger and the others wait for it in a
+    barrier; the first ``skip`` times this call site is reached pass by; every group's
+    collective timeout is raised to ``timeout_s`` first, never lowered, so the barrier
+    outlasts the session."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    caller = sys._getframe(1)
+    site = (caller.f_code.co_filename, caller.f_lineno)
+    _reached[site] = _reached.get(site, 0) + 1
+    if _reached[site] <= skip:
+        return
+    if timeout_s is not None and (STATE.timeout_s or 0) < timeout_s:
+        for group in list(getattr(c10d, "_pg_map", {})):
+            c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
     if dist.get_rank() == rank:
-        frame = sys._getframe(1 + skip)
-        RankPdb().set_trace(frame)
+        RankPdb().stop_here_now(caller)
     dist.barrier()
 
 

@@ -146,6 +146,42 @@ def install_guards(dist_module) -> None:
         module.destroy_process_group = _guarded_destroy_process_group
 
 
+def torch_init_process_group(**kwargs) -> None:
+    """torch's own ``init_process_group`` (the cells' one is guarded: ours makes the group)."""
+    import torch.distributed as dist
+
+    (_originals.get("init") or dist.init_process_group)(**kwargs)
+
+
+def default_group():
+    """The default process group object, or None."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
+def rebind_ddp(old) -> int:
+    """DDP modules that used the default group ``old`` (destroyed, made again) use the new
+    one: their reducer is built anew, as when a DDP module is unpickled, so the survivors'
+    models train on after a rebuild. Every DDP module of the process is found (the
+    namespace's, and those inside other objects). Returns how many were rebound."""
+    import gc
+    import sys
+
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if old is None or ddp is None:
+        return 0
+    found = [
+        m
+        for m in gc.get_objects()
+        if isinstance(m, ddp.DistributedDataParallel) and getattr(m, "process_group", None) is old
+    ]
+    for m in found:
+        m.process_group = default_group()
+        m.__setstate__(m.__getstate__())  # what unpickling does: a reducer on the new group
+    return len(found)
+
+
 def destroy_default_group() -> None:
     """torch's own ``destroy_process_group`` of the default group (ours leaves it alone)."""
     import torch.distributed as dist
@@ -216,16 +252,18 @@ def init_default_group(
     timeout_s: float,
     device: str,
     rendezvous_timeout_s: float | None = None,
+    store_timeout_s: float | None = None,
 ) -> None:
     """torch's init_process_group on our loopback-bound store (also after a rebuild).
 
-    ``timeout_s`` is the collectives' timeout; ``rendezvous_timeout_s`` (default the same)
-    bounds how long a rank waits for its peers to meet in the store; the store then
-    waits as long as the collectives do (``new_group()`` meets in it too)."""
+    ``timeout_s`` is the collectives' timeout; ``store_timeout_s`` (default the same) how
+    long the store waits once the group is made (``new_group()`` meets in it);
+    ``rendezvous_timeout_s`` (default the store's) how long a rank waits for its peers to
+    meet in the store to make this group."""
     import torch
-    import torch.distributed as dist
 
-    store = rendezvous_store(rank, world_size, rendezvous_timeout_s or timeout_s)
+    store_timeout_s = store_timeout_s or timeout_s
+    store = rendezvous_store(rank, world_size, rendezvous_timeout_s or store_timeout_s)
     kwargs: dict[str, Any] = dict(
         backend=backend,
         store=store,
@@ -235,9 +273,9 @@ def init_default_group(
     )
     if backend == "nccl":
         kwargs["device_id"] = torch.device(device)
-    (_originals.get("init") or dist.init_process_group)(**kwargs)
+    torch_init_process_group(**kwargs)
     if rendezvous_timeout_s:
-        store.set_timeout(timedelta(seconds=timeout_s))
+        store.set_timeout(timedelta(seconds=store_timeout_s))
 
 
 #: torch's own collective timeout, as Gloo and NCCL word it
@@ -254,12 +292,16 @@ CLOSED = re.compile(
 )
 
 
-def note_failure(exc: BaseException, in_collective: bool) -> dict | None:
-    """After a cell raised: whether the default group broke, and why. A group whose
-    collective timed out, or whose connections were closed or aborted, fails every later
-    collective at once until it is made again. Only an error from torch.distributed counts
-    (``in_collective``: the tracker saw the collective fail; else a frame of
-    torch.distributed or DDP in the traceback), never a user's own socket error."""
+def note_failure(
+    exc: BaseException, in_collective: bool, record: dict | None = None
+) -> dict | None:
+    """Whether ``exc`` broke the default group, and why; the first break is kept until the
+    group is made again. A group whose collective timed out, or whose connections were
+    closed or aborted, fails every later collective at once until it is made again. Only an
+    error from torch.distributed counts (``in_collective``: the tracker saw the collective
+    fail, in any thread, caught by the user's code or not; else a frame of torch.distributed
+    or DDP in the traceback), never a user's own socket error. ``record``: the tracker's
+    record of the collective that failed (which one torch's timeout ended, and where)."""
     text = str(exc)
     timeout, closed = TIMEOUT.search(text), CLOSED.search(text)
     if not (timeout or closed):
@@ -271,7 +313,12 @@ def note_failure(exc: BaseException, in_collective: bool) -> dict | None:
             for f in frames
         ):
             return None
+    if STATE.group_broken is not None:  # the first break is the cause; later ones follow it
+        return STATE.group_broken
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # Gloo's "[.../pair.cc:553] "
-    STATE.group_broken = {"kind": "timeout" if timeout else "closed", "why": first[:200]}
-    return STATE.group_broken
+    broken = {"kind": "timeout" if timeout else "closed", "why": first[:200]}
+    if record is not None:
+        broken["record"] = record
+    STATE.group_broken = broken
+    return broken

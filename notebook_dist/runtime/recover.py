@@ -242,6 +242,7 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 broken = cuda_unusable()
                 if broken:
                     return {"rank": STATE.rank, "cuda_unusable": broken}
+            old = group.default_group()
             group.destroy_default_group()
             from .tracker import forget_groups
 
@@ -257,9 +258,11 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 STATE.timeout_s or 300,
                 STATE.device,
                 rendezvous_timeout_s,
+                STATE.store_timeout_s,
             )
+            rebound = group.rebind_ddp(old)
     except BaseException as exc:  # a Ctrl-C that was pending before the block, too
         said = str(exc).strip().splitlines()
         return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}
     STATE.group_broken = None
-    return {"rank": STATE.rank, "reinit_s": time.perf_counter() - t0}
+    return {"rank": STATE.rank, "reinit_s": time.perf_counter() - t0, "rebound": rebound}

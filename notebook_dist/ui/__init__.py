@@ -23,9 +23,10 @@ def widgets_available() -> bool:
     return True
 
 
-def make_dashboard(mode: str = "auto", quiet_s: float = 0.0):
+def make_dashboard(mode: str = "auto", quiet_s: float = 0.0, full_table: bool = False):
     """``auto``: widgets in a Jupyter kernel, text elsewhere; ``widget``, ``text`` or ``off``.
-    ``quiet_s``: a cell shorter than this with nothing to report leaves one line."""
+    ``quiet_s``: a cell shorter than this with nothing to report leaves one line;
+    ``full_table``: the text form prints every rank's row, however many."""
     if mode == "off":
         return None
     if mode == "widget" or (mode == "auto" and widgets_available()):
@@ -34,7 +35,7 @@ def make_dashboard(mode: str = "auto", quiet_s: float = 0.0):
         return WidgetDashboard(quiet_s)
     from .text import TextDashboard
 
-    return TextDashboard()
+    return TextDashboard(full_table)
 
 
 def show(record) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import html
 
 from ..phrases import memory_text as fmt_bytes
+from .compact import compact, compact_html
 from .state import DashboardState, RankRow
-from .text import fmt_metric, progress_text
+from .text import fmt_metric, healed_text, progress_text
 from .widget_colors import STATE_COLORS, sparkline
 
 COLUMNS = (
@@ -51,6 +52,11 @@ def _row(row: RankRow) -> str:
         if row.straggler
         else ""
     )
+    if row.healed:
+        flag += (
+            " <span class='nd-healed' title='replaced by a fresh engine with %dist_heal'>"
+            f"{healed_text(row).strip(' ()')}</span>"
+        )
     metrics = ", ".join(
         f"{k}={fmt_metric(v)}"
         for k, v in row.metrics.items()
@@ -105,12 +111,17 @@ def render_html(st: DashboardState, live: bool = False) -> str:
         else ""
     )
     ths = "".join(f"<th style='{_CELL}'>{c}</th>" for c in COLUMNS)
+    table = (
+        f"<table style='font-size:12px;border-collapse:collapse'>"
+        f"<thead><tr>{ths}</tr></thead><tbody>{rows}</tbody></table>"
+    )
+    if compact(st):  # many ranks: groups first, every row one click away
+        table = compact_html(st, table)
     return (
         # the line height is set here: a widget's HTML would inherit a 28 px one
         # (overflow: a page narrower than the table scrolls it rather than cutting it)
         f"<div class='nd-dashboard {'nd-live' if live else 'nd-final'}' style='line-height:1.3;overflow-x:auto'>"
-        f"<div class='nd-header'>{head}</div><table style='font-size:12px;border-collapse:collapse'>"
-        f"<thead><tr>{ths}</tr></thead><tbody>{rows}</tbody></table>{verdict}</div>"
+        f"<div class='nd-header'>{head}</div>{table}{verdict}</div>"
     )
 
 

@@ -34,6 +34,7 @@ class RankRow:
     wait_s: float = 0.0
     step_time_s: float | None = None
     straggler: bool = False
+    healed: int = 0  # how many times the rank was replaced by a fresh engine (%dist_heal)
 
 
 @dataclass
@@ -114,6 +115,7 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
         v = view.views[r]
         snap = v.snap or {}
         row = RankRow(rank=r, state=_state_of(v, hung and v.status == "running"))
+        row.healed = getattr(cluster, "healed", {}).get(r, 0)
         # a rank's own times are on its clock: measured from its cell's start on that clock
         began = snap.get("cell_started")
         if v.status != "running" and began and snap.get("time"):
@@ -180,7 +182,11 @@ def cluster_state(cluster, rows: list[dict] | None = None, title: str = "") -> D
             else ("running" if r["state"] == "busy" else "idle")
         )
         st.rows[r["rank"]] = RankRow(
-            rank=r["rank"], state=state, last_output=r["state"], gpu=r.get("gpu", "")
+            rank=r["rank"],
+            state=state,
+            last_output=r["state"],
+            gpu=r.get("gpu", ""),
+            healed=getattr(cluster, "healed", {}).get(r["rank"], 0),
         )
     st.verdict = cluster.dead_note() or None
     return st

@@ -21,11 +21,20 @@ def progress_text(step, total) -> str:
     return f"{step:g}"
 
 
-def render_text(st: DashboardState) -> str:
+def render_text(st: DashboardState, full: bool = False) -> str:
+    """The dashboard as text; from ``compact.COMPACT_FROM`` ranks, the ranks grouped by
+    what they do unless ``full`` (``DistConfig.dashboard_full_table``)."""
+    from .compact import compact, compact_text
+
     head = f"{st.world_size} ranks · {st.backend} · {st.wall_s:.1f} s"
     if st.throughput:
         head += f" · {st.throughput:,.0f} samples/s"
     lines = [head]
+    if compact(st) and not full:
+        lines += compact_text(st)
+        if st.verdict:
+            lines.append(f"Diagnosis: {st.verdict}")
+        return "\n".join(lines)
     cols = (
         "rank",
         "state",
@@ -46,7 +55,7 @@ def render_text(st: DashboardState) -> str:
             for k, v in row.metrics.items()
             if k not in ("step", "total", "samples")
         )
-        state = row.state + (" (straggler)" if row.straggler else "")
+        state = row.state + (" (straggler)" if row.straggler else "") + healed_text(row)
         mem = fmt_bytes(row.rss_bytes)
         if row.gpu_allocated is not None:
             mem += f" / GPU {fmt_bytes(row.gpu_allocated)} (peak {fmt_bytes(row.gpu_peak)})"
@@ -68,11 +77,19 @@ def render_text(st: DashboardState) -> str:
     return "\n".join(lines)
 
 
+def healed_text(row) -> str:
+    """' (healed)', ' (healed 3x)': a rank replaced by a fresh engine, said beside its state."""
+    if not row.healed:
+        return ""
+    return " (healed)" if row.healed == 1 else f" (healed {row.healed}x)"
+
+
 class TextDashboard:
     """Keeps the latest state; prints it once, when the cell ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, full: bool = False) -> None:
         self.state: DashboardState | None = None
+        self.full = full  # every rank's row, however many (DistConfig.dashboard_full_table)
 
     def update(self, state: DashboardState) -> None:
         self.state = state
@@ -80,4 +97,4 @@ class TextDashboard:
     def close(self, state: DashboardState) -> None:
         self.state = state
         if any(row.metrics for row in state.rows.values()) or state.verdict:
-            print(render_text(state))
+            print(render_text(state, self.full))

@@ -25,7 +25,7 @@ from ..console import Console
 from ..doctor import Diagnosis
 from ..execute import PreparedCell
 from ..output import OutputStreamer
-from . import aftermath
+from . import aftermath, policy
 from .progress import Progress, RankView, engine_error
 from .releases import Releases
 from .report import Reporter
@@ -100,19 +100,16 @@ class CellWatch:
         self.releases.apply(now, self.progress.last_progress, self.config)
         waited = now - self.progress.last_progress
         if waited >= self.hang_after and self.running():
-            stopping = self.hang_action == "stop"
-            if self.verdicts.show(waited, stopping) and stopping:
-                raise _StopHung()
+            hang = policy.on_hang(waited, self.hang_action, self.config, self.interrupted)
+            if self.verdicts.show(waited, hang.stop) and hang.stop or hang.stuck:
+                raise _StopHung(hang.said)
         if self.on_update is not None:
             self.on_update(self.view())
 
     def _serve_prompts(self) -> None:
         """A rank that asks (its debugger, input()) is answered through the notebook; a
         rank at a prompt is not hung."""
-        views = self.views.values()
-        if self.interrupted or not any(
-            v.snap.get("asking") for v in views if v.status == "running"
-        ):
+        if self.interrupted or not self.progress.asking():
             return
         self.streamer.poll()  # what the rank printed before it asked, first
         if self.on_update is not None:
@@ -135,9 +132,9 @@ class CellWatch:
                 while self.running() and not self.releases.abandoned:
                     self.ar.wait(POLL_S)
                     self.poll()
-            except _StopHung:
+            except _StopHung as stop:
                 self.interrupt(quiet=True)
-                raise HangError(self.verdicts.shown) from None
+                raise HangError(f"{stop}{self.verdicts.shown}") from None
             except _Quit:
                 self.console.quit_all(self.views)
                 self.interrupt(quiet=True)
@@ -159,8 +156,8 @@ class CellWatch:
             self.final = self.verdicts.final(bool(self.released or self.interrupted), self.outcome)
 
     def _last_output(self) -> None:
-        """Every rank's output arrives before the cell ends (its iopub 'idle'): a big output
-        on a busy machine can take seconds; a dead rank never says idle."""
+        """Every rank's output arrives before the cell ends (its iopub 'idle'; never for
+        a dead rank)."""
         if not self.running():
             dead = any(v.status == "dead" for v in self.views.values())
             self.ar.wait_for_output(

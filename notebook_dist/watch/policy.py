@@ -1,5 +1,6 @@
-"""When to release ranks from their collectives, and when to give up on a cell: a pure
-function of where the cell stands, tested on synthetic timelines (``tests/test_watch.py``).
+"""When to release ranks from their collectives, when to give up on a cell, and what a
+hang leads to: pure functions of where the cell stands, tested on synthetic timelines
+(``tests/test_watch.py``).
 
 A rank that raised or died leaves the others waiting in collectives that cannot complete.
 They are released at once when they are inside one, and after ``after_error_s`` without
@@ -79,3 +80,25 @@ def failed_by_release(v, release_time: float | None, transport_error) -> bool:
     ended = (v.result.get("final") or {}).get("time", 0.0)
     from_collective = error.get("collective") or transport_error.search(error.get("evalue", ""))
     return bool(from_collective) and ended >= release_time
+
+
+#: why a cell nobody stopped is stopped: stuck, and no rank at a prompt
+STUCK = "no rank made progress for DistConfig.stuck_after_s, and none waits at a prompt"
+
+
+@dataclass(frozen=True)
+class Hang:
+    stop: str | None = None  # why the cell stops at this verdict (None: it goes on)
+    stuck: bool = False  # stopped by DistConfig.stuck_after_s: even with the verdict shown
+    said: str = ""  # what the stopped cell's error says first
+
+
+def on_hang(waited: float, hang_action: str, config, stopping: bool) -> Hang:
+    """A cell in which no rank has moved for ``waited`` seconds (past ``hang_after``): the
+    verdict shows, and the cell stops with ``--on-hang stop``, or once it is stuck for
+    ``config.stuck_after_s`` when torch has no timeout of the user's to end it (never
+    while a rank waits at a prompt: the watch's clock stands still then). ``stopping``:
+    the ranks are being stopped already."""
+    if config.timeout_s is None and not stopping and waited >= config.stuck_after_s:
+        return Hang(STUCK, True, f"The cell was stopped: {STUCK} ({waited:.0f} s). ")
+    return Hang("--on-hang stop" if hang_action == "stop" else None)

@@ -58,6 +58,10 @@ class Progress:
     def running(self) -> list[int]:
         return [r for r, v in self.views.items() if v.status == "running"]
 
+    def asking(self) -> bool:
+        """Whether a running rank waits for the user (its debugger, input())."""
+        return any(v.snap.get("asking") for v in self.views.values() if v.status == "running")
+
     def poll(self, dead: dict[int, str]) -> list[int]:
         """Read every rank once; returns the ranks whose reply came in this poll."""
         ended = []

@@ -25,10 +25,10 @@ class Reporter:
         self.stream.write(text)
         self.stream.flush()
 
-    def hang(self, diag: Diagnosis, waited_s: float, stopping: bool, snaps: dict) -> None:
-        """The live verdict: the cell goes on (or stops, with --on-hang stop)."""
+    def hang(self, diag: Diagnosis, waited_s: float, stopping: str | None, snaps: dict) -> None:
+        """The live verdict: the cell goes on, or stops (``stopping`` says why)."""
         tail = (
-            "stopping the cell (--on-hang stop)"
+            f"stopping the cell ({stopping})"
             if stopping
             else "the cell keeps running; interrupt to stop it"
         )

@@ -36,7 +36,7 @@ class Verdicts:
         )
         return self.diagnosis
 
-    def show(self, waited: float, stopping: bool) -> bool:
+    def show(self, waited: float, stopping: str | None) -> bool:
         """The verdict on a hang, said once (again only when it changes); True when said."""
         self.freeze(again=True)
         diag = self.diagnose()

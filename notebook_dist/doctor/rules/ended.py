@@ -30,7 +30,11 @@ def dead(f: Facts) -> Diagnosis | None:
         return text
 
     how = "; ".join(f"rank {r} {f.info[r].exit or 'died'}{at(r)}" for r in f.dead)
-    then = "Run %dist_restart (add --replay to re-run your setup cells)."
+    then = (
+        "Run %dist_heal for a fresh rank in its place while the others keep their variables "
+        "(--copy NAMES gives it yours), or %dist_restart (add --replay to re-run your setup "
+        "cells)."
+    )
     if len(f.dead) > 1 and set(f.dead) == set(f.info):
         how = f"Every rank of the cell has ended: {how}"
         then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells), or %dist_shutdown."

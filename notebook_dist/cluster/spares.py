@@ -1,0 +1,152 @@
+"""More engines for a running cluster: stand-ins for dead ranks (``%dist_heal``) and the
+warm pool they are taken from.
+
+An engine is started through the cluster's own ipyparallel launcher (one more engine set
+of the same controller, the same command and environment as the ranks'), recorded as
+started here and watched by the reaper like every other. Each engine imports torch as it
+starts (``runtime/engine.py``), so a spare waiting in the pool becomes a rank in the time
+it takes to make a process group, not to start a Python with torch.
+
+The pool holds ``DistConfig.spare_engines`` idle engines (none by default: each costs the
+memory of a Python with torch imported) and is refilled in the background after one is
+taken. Only local clusters have one: engines of MPI, Slurm or ssh belong to their job or
+host.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from ..errors import ClusterError
+
+
+class Spare:
+    """An engine that is no rank yet: its engine id and its launcher (its exit code)."""
+
+    def __init__(self, engine_id: int, launcher, proc):
+        self.engine_id = engine_id
+        self.launcher = launcher
+        self.proc = proc  # notebook_dist.signals.Started
+
+    def alive(self) -> bool:
+        from .engines import has_ended
+
+        return not has_ended(self.launcher)
+
+
+def start_engines(processes, k: int) -> list[Spare]:
+    """``k`` more engines of the cluster's controller, registered, each with its launcher."""
+    from . import engines
+
+    client = processes.client
+    before = set(client.ids)
+    set_id = processes.ipp.start_engines_sync(k)
+    launchers = list(getattr(processes.ipp.engines[set_id], "launchers", {}).values())
+    procs = {}
+    for el in processes.launcher.started_processes(processes.ipp.engines[set_id], launchers):
+        proc = processes._record(el, "engine")
+        if proc is not None:
+            procs[el.pid] = (el, proc)
+            if processes.reaper is not None:
+                processes.reaper.watch(proc)
+    deadline = time.monotonic() + processes.config.start_timeout_s
+    while len(set(client.ids) - before) < k:
+        if any(engines.has_ended(el) for el in launchers):
+            raise ClusterError(
+                f"a new engine exited as it started; its log is in {processes.profile_dir}/log"
+            )
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"only {len(set(client.ids) - before)} of {k} new engines registered within "
+                f"{processes.config.start_timeout_s:.0f} s"
+            )
+        time.sleep(0.02)
+    new = sorted(set(client.ids) - before)[:k]
+    pids = processes.view(new).apply_sync(os.getpid)
+    return [Spare(eid, *procs[pid]) for eid, pid in zip(new, pids)]
+
+
+def stand_in(processes, rank: int, spare: Spare) -> None:
+    """``spare`` is ``rank``'s engine from now on."""
+    processes.engine_ids[rank] = spare.engine_id
+    processes.rank_launchers[rank] = spare.launcher
+    processes.by_pid[spare.proc.pid] = spare.launcher
+    processes.rank_procs[rank] = spare.proc
+
+
+def retire_ranks(processes) -> dict[int, str]:
+    """End every rank's engine (a restart gives the ranks fresh ones; the controller and
+    the spares stay); returns the ranks that had already ended, and how."""
+    from ..signals import end
+
+    dead = processes.dead_ranks()
+    processes._exit_idle_ranks()
+    end(list(processes.rank_procs.values()))
+    return dead
+
+
+class SparePool:
+    """Idle engines kept ready for a cluster: :meth:`take` hands out ``k`` (started now if
+    the pool has fewer) and refills the pool in the background."""
+
+    def __init__(self, processes, size: int):
+        self.processes = processes
+        self.size = size
+        self.spares: list[Spare] = []
+        self._lock = threading.Lock()  # one start of engines at a time
+        self._filling: threading.Thread | None = None
+        self.error: str | None = None  # why the last refill failed
+
+    def fill(self, wait: bool = False) -> None:
+        """Start engines until the pool holds ``size`` (in the background unless ``wait``)."""
+        if self.size <= 0 or (self._filling is not None and self._filling.is_alive()):
+            if wait and self._filling is not None:
+                self._filling.join()
+            return
+        self._filling = threading.Thread(
+            target=self._fill, name="notebook_dist-spares", daemon=True
+        )
+        self._filling.start()
+        if wait:
+            self._filling.join()
+
+    def _fill(self) -> None:
+        with self._lock:
+            self.spares = [s for s in self.spares if s.alive()]
+            missing = self.size - len(self.spares)
+            if missing <= 0:
+                return
+            try:
+                self.spares += start_engines(self.processes, missing)
+                self.error = None
+            except Exception as exc:  # said when a spare is next wanted
+                self.error = f"{type(exc).__name__}: {exc}"
+
+    def resize(self, size: int) -> None:
+        """Keep ``size`` spares from now on (more start in the background; fewer: the extra
+        ones wait, idle, until the cluster stops)."""
+        if not self.processes.spares_possible():
+            return
+        self.size = size
+        if self.processes.client is not None:
+            self.fill()
+
+    def close(self) -> None:
+        """No more engines: wait for a refill under way (the cluster is stopping)."""
+        self.size = 0
+        if self._filling is not None:
+            self._filling.join()
+
+    def take(self, k: int) -> list[Spare]:
+        """``k`` engines for ranks: from the pool first, the rest started now."""
+        if self._filling is not None:
+            self._filling.join()
+        with self._lock:
+            ready = [s for s in self.spares if s.alive()]
+            taken, self.spares = ready[:k], ready[k:]
+            if len(taken) < k:
+                taken += start_engines(self.processes, k - len(taken))
+        self.fill()
+        return taken

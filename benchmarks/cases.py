@@ -650,7 +650,7 @@ def heal_and_restart(reps: int) -> dict:
             time.sleep(0.1)
         assert len(c.processes.pool.spares) == 2, c.processes.pool.error
 
-    cold, heal, restart = [], [], []
+    cold, heal, restart, phases = [], [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         c = DistCluster(n=2, config=DistConfig(spare_engines=2)).start()
@@ -665,8 +665,9 @@ def heal_and_restart(reps: int) -> dict:
             except ClusterError:
                 pass
             t0 = time.perf_counter()
-            c.heal(["model", "opt"])
+            healed = c.heal(["model", "opt"])
             heal.append(time.perf_counter() - t0)
+            phases.append(healed.phases)
             assert c.compare("model").agree, "the healed rank's model differs"
             pool_full(c)
             history = list(c.history)
@@ -681,6 +682,7 @@ def heal_and_restart(reps: int) -> dict:
         "dist_init_s": summarize(cold),
         "heal_s": summarize(heal),
         "restart_replay_s": summarize(restart),
+        "heal_phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
         "heal_vs_init": ratio(heal, cold),
         "restart_vs_init": ratio(restart, cold),
     }

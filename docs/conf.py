@@ -6,7 +6,10 @@ Tutorials come from ``notebooks/``, executed: the copies the tests executed are 
 when ``NOTEBOOK_DIST_EXECUTED`` names their folder (tests/test_site.py does), and any other
 notebook without outputs is executed here, on 2 CPU ranks. The magic reference is made
 from the magics themselves (``_ext/magicref.py``). tests/test_site.py builds it with
-warnings as errors.
+warnings as errors, from the built wheel installed in a fresh environment.
+
+It documents the installed package: ``pip install .[docs]`` (or ``-e``), then
+``python -m sphinx -W docs OUT`` from the checkout or from anywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS / "_ext"))
-sys.path.insert(0, str(DOCS.parent))  # the checkout's notebook_dist, for autodoc
+# notebook_dist is the installed one, regular or editable, never the checkout's folder: only
+# an install maps magics/ to notebook_dist.magics. `python -m sphinx` run from the checkout
+# puts the checkout first on sys.path, where half of the package would be found: take it off.
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != DOCS.parent]
 
 project = "notebook_dist"
 author = "the notebook_dist authors"

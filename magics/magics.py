@@ -139,7 +139,7 @@ class DistMagics(Magics):
         type=int,
         default=None,
         help="idle engines kept ready to replace dead or restarted ranks in a fraction of a "
-        "second (default 1; each costs a Python with torch imported, about 165 MiB)",
+        "second (default 1; each costs a Python with torch imported, about 240 MiB)",
     )
     @argument(
         "--heal",

@@ -20,7 +20,7 @@ COLLECTIVE_WAIT_S = 24 * 3600.0
 class DistConfig:
     timeout_s: float | None = None
     """torch's own collective timeout for the default process group (``--timeout``). None
-    (the default): torch lets a collective wait :data:`COLLECTIVE_WAIT_S`, and the notebook
+    (the default): torch lets a collective wait ``COLLECTIVE_WAIT_S`` (a day), and the notebook
     ends a stuck cell itself after ``stuck_after_s``, never while a rank waits at a prompt
     (its debugger, ``input()``). torch's timeout cannot tell a hang from a rank the user is
     stepping through: a collective's deadline is fixed when it is issued."""
@@ -45,7 +45,7 @@ class DistConfig:
     torch imported, to stand in for a dead rank (``%dist_heal``) or a restarted one
     (``%dist_restart``) in the time it takes to make a process group; refilled in the
     background when taken. Each costs the memory of a Python with torch imported, about
-    165 MiB of its own here (docs/guide.md, "Heal"); as many as ranks make a restart as
+    240 MiB of its own here (docs/guide.md, "Heal"); as many as ranks make a restart as
     quick as a heal. 0: engines are started when needed."""
 
     heal: str = "off"

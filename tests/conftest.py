@@ -208,6 +208,15 @@ def python_exe() -> str:
 
 
 @pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """The wheel and the sdist, built from a clean copy of the checkout (tests/installs.py)."""
+    from installs import build, clean_copy
+
+    src = clean_copy(tmp_path_factory.mktemp("src"))
+    return build(src, tmp_path_factory.mktemp("dist"))
+
+
+@pytest.fixture(scope="session")
 def executed_notebooks(tmp_path_factory):
     """Where the tutorial tests leave each executed notebook, for the site to show (and
     not execute again): tests/test_site.py builds it from these."""
@@ -413,6 +422,28 @@ def bystanders(tmp_path):
 
 
 ALL_RANKS_EXIT = "%%distributed\nimport os\nos._exit(1)"
+
+
+def every_rank_dies_twice(run, spy, bystanders, then: str = "%dist_shutdown") -> str:
+    """Every rank of the session's cluster dies; ``%dist_restart --replay``; every rank of
+    the fresh cluster dies; ``then``. Nothing but what each cluster started is signalled
+    (``spy``), and the ``bystanders`` (another job's mpiexec) live. What ``then`` printed."""
+    from notebook_dist import session
+
+    spy.allowed = {p.pid for p in session.current().processes.started}
+    out = run(ALL_RANKS_EXIT)
+    assert type(out.error).__name__ == "ClusterError", out.output
+    out = run("%dist_restart --replay")
+    assert out.error is None, out.output
+    assert spy.foreign == [], spy.calls
+    spy.allowed |= {p.pid for p in session.current().processes.started}
+    out = run(ALL_RANKS_EXIT)
+    assert type(out.error).__name__ == "ClusterError", out.output
+    out = run(then)
+    assert out.error is None, out.output
+    assert spy.foreign == [], spy.calls
+    assert [p.poll() for p in bystanders] == [None, None], "a bystander (another mpiexec) was hit"
+    return out.stdout
 
 
 @contextlib.contextmanager

@@ -58,6 +58,20 @@ def test_pdb_on_opens_the_debugger_where_the_rank_raised_never_in_the_tool(kerne
     assert not [p for p in prompts if "ipdb" in p], prompts  # not the kernel's, in our frames
 
 
+def test_an_error_the_tool_raises_opens_the_debugger_in_the_users_frame(kernel):
+    # --check-collectives raises its mismatch inside the tool's wrapper: the debugger lands
+    # on the cell's line that called the collective, with the cell's locals
+    out, prompts, error = kernel(
+        "%%distributed --check-collectives --pdb\nn = 2 + nd.rank\nt = torch.ones(n)\n"
+        "dist.all_reduce(t)\n",
+        answers=["p n", "c", "p n", "c"],
+    )
+    assert error == "RankError" and "CollectiveMismatch" in out, out
+    assert prompts and all(p.endswith("(Pdb) ") for p in prompts), prompts
+    assert "[rank 0] 2" in out or "[rank 1] 3" in out, out  # n, in the cell's frame
+    assert "argcheck.py(" not in out and "tracker.py(" not in out, out  # never the tool's
+
+
 def test_debug_after_a_failed_cell_debugs_the_rank_that_raised(kernel):
     out, _, error = kernel(
         "%%distributed\nz = 7 * (nd.rank + 1)\nif nd.rank == 1:\n    raise ValueError(z)"

@@ -623,68 +623,52 @@ def test_a_collective_inside_a_helper_from_an_earlier_cell_names_the_helper(clus
     assert_recovered(cluster)
 
 
-def test_torchs_own_timeout_is_said_in_plain_words_and_the_group_is_rebuilt():
+RAISED = "t = torch.ones(2)\nif nd.rank == 0:\n    dist.all_reduce(t)\n"
+CAUGHT = (  # the user's own try/except: the cell ends green, the group as unusable
+    "t = torch.ones(2)\nif nd.rank == 0:\n    try:\n        dist.all_reduce(t)\n"
+    "    except RuntimeError as exc:\n        caught = str(exc)\n"
+)
+
+
+@pytest.mark.parametrize("code, line", [(RAISED, 4), (CAUGHT, 5)], ids=["raised", "caught"])
+def test_torchs_own_timeout_is_said_in_plain_words_and_the_group_is_rebuilt(code, line):
     """A hung cell nobody interrupts: torch's collective timeout fires (here after 4 s),
-    which breaks a Gloo group for good; the notebook says which rank waited where, for how
-    long and why, rebuilds the group, and the next cell works with every variable kept."""
+    which breaks a Gloo group for good, whether the cell raised it or the user's code caught
+    it (the tracker saw its collective fail); the notebook says which rank waited where, for
+    how long and why, rebuilds the group, and the next cell works with every variable kept."""
     with DistCluster(n=2, timeout=4) as c:
         c.run("kept = nd.rank + 10").raise_for_errors()
         out = io.StringIO()
         r = c.run(
-            "t = torch.ones(2)\nif nd.rank == 0:\n    dist.all_reduce(t)\n",
+            code,
             filename="Cell In[5]",
             header="%%distributed",
             out=out,
             hang_after=60,  # no live verdict first: the note alone says it
         )
         said = out.getvalue()
-        assert list(r.errors) == [0] and "Timed out waiting 4000ms" in r.errors[0].evalue
+        if code is RAISED:
+            assert list(r.errors) == [0] and "Timed out waiting 4000ms" in r.errors[0].evalue
+        else:
+            assert r.errors == {}, said
         note = re.search(r"notebook_dist: torch's collective timeout.*", said).group(0)
         assert re.fullmatch(
             r"notebook_dist: torch's collective timeout \(4 s, %dist_init --timeout\) ended "
-            r"all_reduce #1 at line 4 on rank 0, after [\d.]+ s of waiting\. Why it waited: "
-            r"Rank 0 called all_reduce #1 at line 4, but rank 1 finished the cell without calling "
-            r"it\. Line 4 is inside `if nd\.rank == 0:` \(line 3\), .* The process group could "
-            r"not be used any more; it was rebuilt \([\d.]+ s\) and every rank kept its variables\.",
+            rf"all_reduce #1 at line {line} on rank 0, after [\d.]+ s of waiting\. Why it waited: "
+            rf"Rank 0 called all_reduce #1 at line {line}, but rank 1 finished the cell without "
+            r"calling it\. .* The process group could not be used any more; it was rebuilt "
+            r"\([\d.]+ s\) and every rank kept its variables\.",
             note,
         ), note
-        assert c.last_watch.final is not None and c.last_watch.final.kind == "conditional"
-        r = c.run("t = torch.ones(1)\ndist.all_reduce(t)\n(float(t), kept)")
-        assert r.errors == {} and dict(r.values) == {0: (2.0, 10), 1: (2.0, 11)}
-
-
-def test_a_timeout_the_users_code_caught_still_gets_the_group_rebuilt():
-    """torch's timeout caught by the user's own try/except: the cell ends green, but the
-    group is as unusable as if it had raised. The tracker saw its collective fail, so the
-    cell's reply says so, the group is rebuilt, and the next cell works with every
-    variable kept."""
-    with DistCluster(n=2, timeout=4) as c:
-        c.run("kept = nd.rank + 10").raise_for_errors()
-        out = io.StringIO()
-        r = c.run(
-            "t = torch.ones(2)\nif nd.rank == 0:\n    try:\n        dist.all_reduce(t)\n"
-            "    except RuntimeError as exc:\n        caught = str(exc)\n",
-            filename="Cell In[5]",
-            header="%%distributed",
-            out=out,
-            hang_after=60,  # no live verdict first: the note alone says it
-        )
-        said = out.getvalue()
-        assert r.errors == {}, said
-        note = re.search(r"notebook_dist: torch's collective timeout.*", said).group(0)
-        assert re.fullmatch(
-            r"notebook_dist: torch's collective timeout \(4 s, %dist_init --timeout\) ended "
-            r"all_reduce #1 at line 5 on rank 0, after [\d.]+ s of waiting\. Why it waited: "
-            r"Rank 0 called all_reduce #1 at line 5, but rank 1 finished the cell without calling "
-            r"it\. .* The process group could not be used any more; it was rebuilt \([\d.]+ s\) "
-            r"and every rank kept its variables\.",
-            note,
-        ), note
+        if code is RAISED:
+            assert "Line 4 is inside `if nd.rank == 0:` (line 3)" in note, note
+            assert c.last_watch.final is not None and c.last_watch.final.kind == "conditional"
         r = c.run(
             "t = torch.ones(1)\ndist.all_reduce(t)\n"
-            "(float(t), kept, 'Timed out waiting 4000ms' in caught if nd.rank == 0 else None)"
+            "(float(t), kept, 'Timed out waiting 4000ms' in globals().get('caught', 'Timed out "
+            "waiting 4000ms'))"
         )
-        assert r.errors == {} and dict(r.values) == {0: (2.0, 10, True), 1: (2.0, 11, None)}
+        assert r.errors == {} and dict(r.values) == {0: (2.0, 10, True), 1: (2.0, 11, True)}
 
 
 def test_a_group_whose_connections_closed_is_rebuilt(cluster):

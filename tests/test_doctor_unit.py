@@ -1060,3 +1060,33 @@ def test_a_mismatch_names_the_root_and_the_op_first_and_ignores_the_async_flag()
     # only the async flag differs: nothing to name
     same = {r: described(rec(1, "all_reduce", 3, args={"async_op": bool(r)})) for r in (0, 1)}
     assert len({repr(d) for d in same.values()}) == 1
+
+
+def test_a_rank_in_the_debugger_is_its_users_turn_never_a_hang():
+    asking = {"id": 1, "prompt": "(Pdb) ", "kind": "pdb", "where": [CELL, 4]}
+    ranks = {
+        0: running(rec(1, "barrier", 5)),
+        1: RankReport("running", {"collective": None, "history": [], "asking": asking}),
+    }
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "debugger" and d.culprits == [1] and d.line == 4
+    assert d.verdict.startswith(
+        "Rank 1 is in the debugger at line 4, waiting for you. Meanwhile rank 0 waits in "
+        "barrier #1 at line 5."
+    ), d.verdict
+    assert "This is not a hang" in d.verdict and "hang" not in d.verdict.split(".")[0]
+    ranks[1] = RankReport("running", {"collective": None, "asking": dict(asking, kind="input")})
+    assert "Rank 1 is in input() at line 4" in diagnose(ranks, now=NOW, cell_file=CELL).verdict
+
+
+def test_the_dashboard_says_in_debugger_and_waiting_for_input():
+    from types import SimpleNamespace
+
+    from notebook_dist.ui.state import _state_of
+
+    def view(kind):
+        snap = {"asking": {"kind": kind}, "collective": None}
+        return SimpleNamespace(released=False, status="running", snap=snap)
+
+    assert _state_of(view("pdb"), hung=False) == "in debugger"
+    assert _state_of(view("input"), hung=False) == "waiting for input"

@@ -137,20 +137,14 @@ def test_kernel_sigkill_leaves_no_mpi_process(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_after_every_mpi_rank_died_shutdown_signals_only_its_own(
+def test_after_every_mpi_rank_died_restart_and_shutdown_signal_only_their_own(
     no_current, run, signal_spy, bystanders
 ):
-    from conftest import ALL_RANKS_EXIT
+    from conftest import every_rank_dies_twice
 
     from notebook_dist import session
 
     assert run("%dist_init --launcher mpi -n 2").error is None
-    cluster = session.current()
-    signal_spy.allowed = {p.pid for p in cluster.processes.started}
-    out = run(ALL_RANKS_EXIT)
-    assert type(out.error).__name__ == "ClusterError", out.output
-    out = run("%dist_shutdown")
-    assert out.error is None, out.output
-    assert out.stdout.startswith("notebook_dist: cluster stopped: the controller; every rank had")
-    assert signal_spy.foreign == [], signal_spy.calls
-    assert [p.poll() for p in bystanders] == [None, None], "a bystander (another mpiexec) was hit"
+    said = every_rank_dies_twice(run, signal_spy, bystanders)  # restart --replay, shutdown
+    assert said.startswith("notebook_dist: cluster stopped: the controller; every rank had")
+    assert session.current() is None

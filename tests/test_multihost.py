@@ -410,12 +410,12 @@ def test_ssh_ranks_end_when_their_controller_dies(hosts):
         cluster.shutdown()
 
 
-def test_after_every_ssh_rank_died_shutdown_signals_only_its_own(
+def test_after_every_ssh_rank_died_restart_and_shutdown_signal_only_their_own(
     hosts, no_current, run, signal_spy, bystanders
 ):
     import shlex
 
-    from conftest import ALL_RANKS_EXIT
+    from conftest import every_rank_dies_twice
 
     from notebook_dist import session
 
@@ -425,10 +425,5 @@ def test_after_every_ssh_rank_died_shutdown_signals_only_its_own(
         f"--ssh {shlex.quote(' '.join(hosts['ssh_opts']))}"
     )
     assert out.error is None, out.output
-    cluster = session.current()
-    signal_spy.allowed = {p.pid for p in cluster.processes.started}
-    out = run(ALL_RANKS_EXIT)
-    assert type(out.error).__name__ == "ClusterError", out.output
-    assert run("%dist_shutdown").error is None
-    assert signal_spy.foreign == [], signal_spy.calls
-    assert [p.poll() for p in bystanders] == [None, None]
+    every_rank_dies_twice(run, signal_spy, bystanders)  # restart --replay over ssh, shutdown
+    assert session.current() is None

@@ -233,3 +233,28 @@ def test_four_ranks_fold_their_identical_lines_and_keep_the_rest(no_current):
         raw = io.StringIO()
         c.run("print('same')", out=raw, raw_output=True).raise_for_errors()
         assert sorted(raw.getvalue().splitlines()) == [f"[rank {r}] same" for r in range(4)]
+
+
+@pytest.mark.slow
+def test_progress_bars_and_rich_displays_say_their_rank(kernel):
+    messages: list = []
+    out, _, error = kernel(
+        "%%distributed\nimport sys\nfrom IPython.display import HTML, display\n"
+        "from tqdm import tqdm\nfrom tqdm.notebook import tqdm as notebook_tqdm\n"
+        "for _ in tqdm(range(3), desc='text', file=sys.stdout):\n    pass\n"
+        "bar = notebook_tqdm(range(3), desc='train')\nfor _ in bar:\n    pass\n"
+        "display(HTML(f'<b>table of rank {nd.rank}</b>'))\nbar.desc",
+        messages=messages,
+    )
+    assert error is None, out
+    for r in range(2):
+        # tqdm's text bar: its last state, once, on the rank's own line
+        text = [ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] text:")]
+        assert len(text) == 1 and "100%" in text[0] and "3/3" in text[0], out
+        # the widget bar (tqdm.notebook, what tqdm.auto picks in a notebook) says its rank
+        assert f"[rank {r}] '[rank {r}] train'" in out, out
+        # a rich display comes under a label with its rank
+        shown = [d for kind, _, _, d in messages if kind == "display_data"]
+        html = [i for i, d in enumerate(shown) if f"table of rank {r}" in d.get("text/html", "")]
+        assert len(html) == 1, shown
+        assert shown[html[0] - 1].get("text/plain") == f"[rank {r}]", shown

@@ -12,10 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import site
 import subprocess
-import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -23,8 +20,8 @@ from pathlib import Path
 import pytest
 import tomllib
 from conftest import pids_alive
+from installs import REPO, clean_env, fresh_venv, pip, purelib
 
-REPO = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
@@ -48,42 +45,6 @@ def wheel_modules(wheel: Path) -> set[str]:
         return {n for n in z.namelist() if n.endswith(".py")}
 
 
-def _pip(*args: str, cwd: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True, cwd=cwd)
-
-
-def clean_copy(dest: Path) -> Path:
-    """The checkout's files as a fresh clone has them: a build/ folder left by an earlier
-    build would otherwise slip stale modules into the wheel and hide a missing package."""
-    files = (
-        subprocess.run(
-            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-            cwd=REPO,
-            capture_output=True,
-            check=True,
-        )
-        .stdout.decode()
-        .split("\0")
-    )
-    for name in filter(None, files):
-        if (REPO / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, dest / name)
-    return dest
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict[str, Path]:
-    """The wheel (as `pip wheel .` builds it) and the sdist (as `python -m build` would),
-    from a clean copy of the checkout."""
-    src = clean_copy(tmp_path_factory.mktemp("src"))
-    out = tmp_path_factory.mktemp("dist")
-    _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src), cwd=out)
-    code = f"from setuptools import build_meta as b; print(b.build_sdist({str(out)!r}))"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=src, capture_output=True)
-    return {"wheel": next(out.glob("*.whl")), "sdist": next(out.glob("*.tar.gz"))}
-
-
 def test_the_wheel_holds_every_module_of_the_checkout(built):
     assert wheel_modules(built["wheel"]) == checkout_modules()
 
@@ -102,42 +63,13 @@ def test_the_sdist_holds_every_module_and_builds_the_same_wheel(built, tmp_path)
     assert in_sdist == checkout_modules()
     # what pip does with an sdist: build the wheel from it (setup.py must be in it)
     out = tmp_path / "from-sdist"
-    _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src), cwd=tmp_path)
+    pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src), cwd=tmp_path)
     assert wheel_modules(next(out.glob("*.whl"))) == checkout_modules()
 
 
-def _venv(where: Path) -> Path:
-    venv = where / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    purelib = subprocess.run(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    # the new venv's own site-packages comes first; ours (dependencies: torch, ipyparallel,
-    # ...) after it. A path in a .pth file is not a site dir, so the editable install of
-    # the checkout that lives there stays inactive.
-    deps = [p for p in site.getsitepackages() if "site-packages" in p]
-    Path(purelib, "zz_deps.pth").write_text("\n".join(deps) + "\n")
-    return py
-
-
-def _clean_env(home: Path, venv_py: Path) -> dict[str, str]:
-    env = {
-        "PATH": f"{venv_py.parent}:/usr/bin:/bin",
-        "HOME": str(home),
-        "IPYTHONDIR": str(home / "ipython"),
-        "JUPYTER_PLATFORM_DIRS": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    return env
-
-
 def test_editable_install_loads_the_magics_from_the_checkout(tmp_path):
-    py = _venv(tmp_path)
-    _pip(
+    py = fresh_venv(tmp_path)
+    pip(
         "--python",
         str(py),
         "install",
@@ -160,7 +92,7 @@ def test_editable_install_loads_the_magics_from_the_checkout(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_clean_env(tmp_path, py),
+        env=clean_env(tmp_path, py),
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(REPO / "magics" / "__init__.py")
@@ -184,7 +116,7 @@ class WheelKernel:
         self.km = KernelManager(
             kernel_name="wheel", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)])
         )
-        self.km.start_kernel(cwd=str(cwd), env=_clean_env(home, venv_py))
+        self.km.start_kernel(cwd=str(cwd), env=clean_env(home, venv_py))
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
@@ -218,14 +150,9 @@ class WheelKernel:
 
 @pytest.mark.slow
 def test_the_built_wheel_runs_cells_in_a_kernel_started_in_an_empty_folder(built, tmp_path):
-    py = _venv(tmp_path)
-    _pip("--python", str(py), "install", "-q", "--no-deps", str(built["wheel"]), cwd=tmp_path)
-    site_packages = subprocess.run(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    py = fresh_venv(tmp_path)
+    pip("--python", str(py), "install", "-q", "--no-deps", str(built["wheel"]), cwd=tmp_path)
+    site_packages = purelib(py)
     empty = tmp_path / "empty"
     empty.mkdir()
     k = WheelKernel(py, tmp_path, empty)

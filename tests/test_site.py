@@ -1,7 +1,10 @@
 """The documentation site, built as the README says, with warnings as errors: a broken
 cross-reference or internal link, or a cell that raises where it should not, fails it.
 
-The tutorials come in as the tutorial tests executed them (tests/test_notebooks.py leaves
+It is built as a docs host builds it: the wheel installed into a fresh environment, then
+Sphinx from the checkout, with the installed package documented (never the checkout's
+folder, where magics/ is not notebook_dist.magics). The tutorials come in as the tutorial
+tests executed them (tests/test_notebooks.py leaves
 them in the ``executed_notebooks`` folder); the hang catalogue and the troubleshooting page
 run at build time. Then the pages are checked, and a tutorial's dashboard record is looked
 at in Chromium, with no kernel.
@@ -14,14 +17,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from installs import REPO, clean_env, fresh_venv, pip, purelib
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the build comes first
-
-REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 TUTORIALS = sorted(p.stem for p in (REPO / "notebooks").glob("*.ipynb"))
 
@@ -32,12 +33,27 @@ def text_of(page: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory, executed_notebooks) -> Path:
+def docs_python(tmp_path_factory, built) -> Path:
+    """A fresh venv with the built wheel installed, as a docs host installs the package (a
+    regular install: only it maps magics/ to notebook_dist.magics, so a build that imported
+    the checkout's folder instead would fail)."""
+    where = tmp_path_factory.mktemp("docs-venv")
+    py = fresh_venv(where)
+    pip("--python", str(py), "install", "-q", "--no-deps", str(built["wheel"]), cwd=where)
+    return py
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory, executed_notebooks, docs_python) -> Path:
     out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NOTEBOOK_DIST_EXECUTED=str(executed_notebooks), OMP_NUM_THREADS="1")
-    build = subprocess.run(
+    env = dict(
+        clean_env(out, docs_python),
+        NOTEBOOK_DIST_EXECUTED=str(executed_notebooks),
+        JUPYTER_PATH=str(out / "jupyter"),
+    )
+    build = subprocess.run(  # from the checkout, where its folder comes first on sys.path
         [
-            sys.executable,
+            str(docs_python),
             "-m",
             "sphinx",
             "-W",
@@ -163,3 +179,26 @@ def test_a_tutorial_page_shows_the_dashboard_record_in_chromium(site, tmp_path):
             assert (tmp_path / "record.png").stat().st_size > 1000
         finally:
             browser.close()
+
+
+def test_the_site_documents_the_installed_package_from_any_folder(docs_python, tmp_path):
+    """conf.py, run from another folder and from the checkout, imports the installed
+    package, and the magic reference is made from the installed magics."""
+    check = (
+        "import runpy, sys\n"
+        f"runpy.run_path({str(REPO / 'docs' / 'conf.py')!r})\n"
+        "import magicref, notebook_dist, notebook_dist.magics\n"
+        "pages = magicref.magic_pages()\n"
+        "assert '### `%dist_heal`' in pages and '### `%%distributed`' in pages, pages[:500]\n"
+        "print(notebook_dist.__file__)"
+    )
+    for cwd in (tmp_path, REPO):
+        out = subprocess.run(
+            [str(docs_python), "-c", check],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=clean_env(tmp_path, docs_python),
+        )
+        assert out.returncode == 0, (cwd, out.stderr[-3000:])
+        assert out.stdout.strip() == f"{purelib(docs_python)}/notebook_dist/__init__.py", cwd

@@ -180,22 +180,18 @@ def test_a_job_slurm_refuses_is_reported(slurm, no_current, run):
     assert _jobs() == []
 
 
-def test_after_every_slurm_rank_died_shutdown_signals_only_its_own(
+def test_after_every_slurm_rank_died_restart_and_shutdown_signal_only_their_own(
     slurm, no_current, run, signal_spy, bystanders
 ):
-    from conftest import ALL_RANKS_EXIT
+    from conftest import every_rank_dies_twice
 
     from notebook_dist import session
 
     out = run('%dist_init --launcher slurm -n 2 --sbatch "--time=10 --job-name=nd-dead"')
     assert out.error is None, out.output
     cluster = session.current()
-    signal_spy.allowed = {p.pid for p in cluster.processes.started}
-    assert {r.pid for r in cluster.ranks} <= signal_spy.allowed  # the job's tasks, as reported
-    out = run(ALL_RANKS_EXIT)
-    assert type(out.error).__name__ == "ClusterError", out.output
-    assert run("%dist_shutdown").error is None
-    assert signal_spy.foreign == [], signal_spy.calls
-    assert [p.poll() for p in bystanders] == [None, None]
+    started = {p.pid for p in cluster.processes.started}
+    assert {r.pid for r in cluster.ranks} <= started  # the job's tasks, as reported
+    every_rank_dies_twice(run, signal_spy, bystanders)  # restart --replay (a new job), shutdown
     wait_until(lambda: not _jobs(), 15)
     assert _jobs() == []

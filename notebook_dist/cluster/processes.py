@@ -56,6 +56,9 @@ class Processes:
         self.rank_procs: dict[int, Started] = {}
         from .spares import SparePool
 
+        #: ranks' engines being ended after a restart took fresh ones (joined at stop)
+        self.retiring: list = []
+
         #: idle engines ready to stand in for dead ranks (notebook_dist.heal)
         self.pool = SparePool(self, config.spare_engines if self.spares_possible() else 0)
 
@@ -227,6 +230,8 @@ class Processes:
         """Stop every process started here, by pid; remove the cluster's folders. Returns
         the recorded processes that were still running and had to be ended here."""
         self.pool.close()  # no engine starts while the cluster stops
+        for ending in self.retiring:
+            ending.join()
         launchers = self.all_launchers()  # (stopping the cluster forgets them)
         self._exit_idle_ranks()
         if self.client is not None:

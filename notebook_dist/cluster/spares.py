@@ -15,7 +15,6 @@ host.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -64,7 +63,9 @@ def start_engines(processes, k: int) -> list[Spare]:
             )
         time.sleep(0.02)
     new = sorted(set(client.ids) - before)[:k]
-    pids = processes.view(new).apply_sync(os.getpid)
+    from ..runtime.heal import warm
+
+    pids = processes.view(new).apply_sync(warm)  # ready: torch and the rank's modules in
     return [Spare(eid, *procs[pid]) for eid, pid in zip(new, pids)]
 
 
@@ -78,12 +79,23 @@ def stand_in(processes, rank: int, spare: Spare) -> None:
 
 def retire_ranks(processes) -> dict[int, str]:
     """End every rank's engine (a restart gives the ranks fresh ones; the controller and
-    the spares stay); returns the ranks that had already ended, and how."""
+    the spares stay): idle ones are asked to exit at once, and those still running after a
+    moment are ended by their records, in the background (the fresh ranks need not wait).
+    Returns the ranks that had already ended, and how."""
+    from ..runtime import bootstrap as rt_bootstrap
     from ..signals import end
 
     dead = processes.dead_ranks()
-    processes._exit_idle_ranks()
-    end(list(processes.rank_procs.values()))
+    procs = list(processes.rank_procs.values())
+    alive = [processes.engine_ids[r] for r in range(len(processes.engine_ids)) if r not in dead]
+    if alive:
+        try:
+            processes.view(alive).apply_async(rt_bootstrap.exit_now)
+        except Exception:  # an engine that cannot be asked is ended below all the same
+            pass
+    ending = threading.Thread(target=end, args=(procs,), name="notebook_dist-retire", daemon=True)
+    ending.start()
+    processes.retiring.append(ending)
     return dead
 
 

@@ -78,6 +78,17 @@ class RankPdb(pdb.Pdb):
         self.use_rawinput = True  # cmd.Cmd then calls input(): ours, below
         self.prompt = "(Pdb) "
 
+    def setup(self, f, tb):
+        """Where the debugger lands: never in the tool's own frames (an error raised by
+        --check-collectives, the collective tracker's wrapper), but in the user's frame that
+        called into them."""
+        result = super().setup(f, tb)
+        while self.curindex > 0 and _tool_frame(self.stack[self.curindex][0]):
+            self.curindex -= 1
+        self.curframe = self.stack[self.curindex][0]
+        self.curframe_locals = self.curframe.f_locals
+        return result
+
     def stop_here_now(self, frame) -> None:
         """The prompt at once, at ``frame``'s current line (pdb's set_trace stops at the
         next event instead): c goes on untraced; n, s or r stop again as asked; q quits."""
@@ -109,6 +120,10 @@ class RankPdb(pdb.Pdb):
             return ask(prompt, "pdb", where)
         except KeyboardInterrupt:  # the stop button: leave the debugger, end the cell
             return "q"
+
+
+def _tool_frame(frame) -> bool:
+    return str(frame.f_globals.get("__name__", "")).startswith("notebook_dist.")
 
 
 def set_trace(*, header: str | None = None) -> None:

@@ -18,6 +18,25 @@ import io
 from .state import STATE, user_namespace
 
 
+def warm() -> int:
+    """What a spare imports before it is needed (torch, what an optimizer loads when the
+    first one is made, and the modules a rank loads as it joins a group), so that taking it
+    costs a process group, not imports (an optimizer's first one alone is ~1 s here). Its
+    pid."""
+    import os
+
+    import cloudpickle  # noqa: F401
+    import torch
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401
+
+    from . import agent, debugger, launch, recover, streams, tracker  # noqa: F401
+
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo & co.
+    return os.getpid()
+
+
 def join_alone(rank: int, world_size: int) -> None:
     """The default group as rank ``rank`` of ``world_size``, with nobody else in it: its
     collectives return at once (what they would have received is not known)."""

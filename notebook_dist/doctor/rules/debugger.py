@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..words import plural, verb
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []
@@ -16,12 +15,7 @@ def in_the_debugger(f: Facts) -> Diagnosis | None:
         return None
     what = "; ".join(f"rank {r} is in {f.wait_text(r)}" for r in stopped)
     others = [r for r in f.waits if r not in stopped]
-    tail = ""
-    if others:
-        tail = (
-            f" {cap(plural(others))} {verb(others, 'waits', 'wait')} for "
-            f"{'it' if len(stopped) == 1 else 'them'} ({f.waiting_phrase(others)})."
-        )
+    tail = f" Meanwhile {f.waiting_phrase(others)}." if others else ""
     return make(
         f,
         "debugger",

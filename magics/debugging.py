@@ -3,13 +3,12 @@ cross-rank inspection, and export to a torchrun script."""
 
 from __future__ import annotations
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from notebook_dist.session import SESSION
 
-from .magics import no_arguments, parse_argstring, usage_errors
+from .magics import no_arguments, parse_argstring, refuse, usage_errors
 
 
 @magics_class
@@ -115,7 +114,7 @@ class DebugMagics(Magics):
                 return SESSION.post_mortem(min(failed.errors))
         original = getattr(self.shell, "_notebook_dist_ipython_debug", None)
         if original is None:
-            raise UsageError("%debug: nothing to debug")
+            refuse("%debug: nothing to debug")
         return original(line)
 
     # ---- inspection ------------------------------------------------------------------

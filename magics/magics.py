@@ -5,13 +5,14 @@ from __future__ import annotations
 import keyword
 import re
 from contextlib import contextmanager
+from typing import NoReturn
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.core.magic_arguments import parse_argstring as _ipython_parse
 
-from notebook_dist.errors import UsageMistake
+from notebook_dist.errors import OptionError, UsageMistake
 from notebook_dist.request import ClusterRequest
 from notebook_dist.session import SESSION
 
@@ -26,17 +27,24 @@ def usage_errors():
         raise UsageError(str(exc)) from None
 
 
+def refuse(text: str) -> NoReturn:
+    """A magic's own refusal of what the user typed, through the same door as the
+    library's mistakes (:func:`usage_errors`): one line, no traceback."""
+    with usage_errors():
+        raise OptionError(text)
+
+
 def parse_argstring(magic, line: str):
     """IPython's parser, with a line it cannot split (an unclosed quote) as a UsageError."""
     try:
         return _ipython_parse(magic, line)
     except ValueError as exc:
-        raise UsageError(f"cannot read the arguments {line!r}: {exc}") from None
+        refuse(f"cannot read the arguments {line!r}: {exc}")
 
 
 def no_arguments(magic: str, line: str) -> None:
     if line.strip():
-        raise UsageError(f"{magic} takes no arguments")
+        refuse(f"{magic} takes no arguments")
 
 
 def _ipython_owns(name: str) -> bool:
@@ -50,9 +58,9 @@ def check_names(option: str, names: list[str], why: str = "") -> None:
     """Names the notebook binds: Python names that IPython does not keep for itself."""
     for name in names:
         if not name.isidentifier() or keyword.iskeyword(name):
-            raise UsageError(f"{option} {name!r}: not a valid Python name")
+            refuse(f"{option} {name!r}: not a valid Python name")
         if _ipython_owns(name):
-            raise UsageError(
+            refuse(
                 f"{option} {name}: IPython keeps its own values under that name{why}; "
                 "choose another"
             )
@@ -309,7 +317,7 @@ class DistMagics(Magics):
         """
         spec = line.strip()
         if not spec:
-            raise UsageError("%%rank needs ranks, e.g. %%rank 0 or %%rank 0,2 or %%rank 1-3")
+            refuse("%%rank needs ranks, e.g. %%rank 0 or %%rank 0,2 or %%rank 1-3")
         return self._run(cell, spec, [], f"%%rank {line}".rstrip())
 
     def _run(self, cell, ranks, gather, header, dashboard=True, **options):
@@ -365,7 +373,7 @@ class DistMagics(Magics):
                 return
             missing = [n for n in args.names if n not in self.shell.user_ns]
             if missing:
-                raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
+                refuse(f"not defined in the notebook: {', '.join(missing)}")
             SESSION.live().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
 
     @magic_arguments()
@@ -381,7 +389,7 @@ class DistMagics(Magics):
         args = parse_argstring(self.dist_pull, line)
         for name in args.names:
             if _ipython_owns(name):
-                raise UsageError(
+                refuse(
                     f"%dist_pull {name}: IPython keeps its own values under that name in the "
                     f"notebook; on the ranks, assign it to another name first (x = {name})"
                 )
@@ -402,7 +410,7 @@ class DistMagics(Magics):
         """
         word = line.strip().lower()
         if word not in ("on", "off"):
-            raise UsageError("use %autodist on or %autodist off")
+            refuse("use %autodist on or %autodist off")
         self.autodist(word == "on")
         print(f"notebook_dist: autodist {word}.")
 

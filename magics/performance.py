@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from notebook_dist.session import SESSION
 
-from .magics import no_arguments, parse_argstring, usage_errors
+from .magics import no_arguments, parse_argstring, refuse, usage_errors
 
 
 @magics_class
@@ -25,7 +24,7 @@ class PerformanceMagics(Magics):
         """
         no_arguments("%dist_profile", line)
         if SESSION.last_profile is None:
-            raise UsageError("no cell has been profiled yet: run one with %%distributed --profile")
+            refuse("no cell has been profiled yet: run one with %%distributed --profile")
         return SESSION.last_profile
 
     @magic_arguments()

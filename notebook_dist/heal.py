@@ -79,8 +79,11 @@ def heal(cluster, copy: list[str] | tuple[str, ...] = (), source: int | None = N
     clock = _Phases(healed.phases)
     _stand_in(cluster, healed.ranks, clock)
     # the new ranks replay alone: nothing may make the real group before they are done
-    cluster.group_lost = None
-    healed.replayed, healed.replay_stopped = _replay_alone(cluster, healed.ranks)
+    cluster.group_lost, cluster.replaying_alone = None, True
+    try:
+        healed.replayed, healed.replay_stopped = _replay_alone(cluster, healed.ranks)
+    finally:
+        cluster.replaying_alone = False
     clock("replay")
     cluster.rebuild_process_group()
     clock("group")

@@ -5,12 +5,13 @@ against hang-after), not a test: a time asserted here would fail on a slow machi
 from __future__ import annotations
 
 import io
+import os
 import re
 import socket
 
 import pytest
 import torch
-from conftest import ctrl_c_after, until_verdict
+from conftest import ctrl_c_after, until_verdict, wait_until
 
 from notebook_dist import DistCluster
 from notebook_dist.errors import ClusterError
@@ -669,6 +670,28 @@ def test_torchs_own_timeout_is_said_in_plain_words_and_the_group_is_rebuilt(code
             "waiting 4000ms'))"
         )
         assert r.errors == {} and dict(r.values) == {0: (2.0, 10, True), 1: (2.0, 11, True)}
+
+
+def test_a_group_that_broke_between_cells_is_rebuilt_before_the_next_one():
+    """A thread of the user's runs into torch's timeout after its cell ended: the group is
+    as unusable, and the next cell makes it again before it runs, every variable kept."""
+    with DistCluster(n=2, timeout=3) as c:
+        c.run("kept = nd.rank + 10").raise_for_errors()
+        c.run(
+            "import threading\nfailed = []\n\ndef alone():\n    try:\n"
+            "        dist.all_reduce(torch.ones(1))\n    except RuntimeError as exc:\n"
+            "        failed.append(str(exc))\n\nif nd.rank == 0:\n"
+            "    threading.Thread(target=alone).start()\n"
+        ).raise_for_errors()
+        mark = c.processes.control_file(0, "broken")
+        assert wait_until(lambda: os.path.exists(mark), 60), "rank 0 never marked its group broken"
+        out = io.StringIO()
+        r = c.run("t = torch.ones(1)\ndist.all_reduce(t)\n(float(t), kept, len(failed))", out=out)
+        assert r.errors == {}, out.getvalue()
+        assert dict(r.values) == {0: (2.0, 10, 1), 1: (2.0, 11, 0)}
+        said = out.getvalue()
+        assert "the process group was missing (it broke after the last cell: rank 0 met " in said
+        assert "rebuilt before this cell" in said and not os.path.exists(mark), said
 
 
 def test_a_group_whose_connections_closed_is_rebuilt(cluster):

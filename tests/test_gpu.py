@@ -226,3 +226,50 @@ def test_a_conditional_collective_on_nccl_is_diagnosed_and_released_with_state_k
         )
         r.raise_for_errors()
         assert dict(r.values) == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+
+
+HEAL_DDP = (
+    "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+    "torch.manual_seed(0)\n"
+    "ddp = DDP(torch.nn.Linear(8, 2).to(nd.device))\n"
+    "opt = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
+    "ddp(torch.randn(4, 8, device=nd.device)).sum().backward()\n"
+    "opt.step()\n"
+)
+HEALED_CHECK = (
+    "ddp(torch.randn(4, 8, device=nd.device)).sum().backward()\nopt.step()\n"
+    "(str(ddp.module.weight.device), opt.param_groups[0]['params'][0] is ddp.module.weight)"
+)
+
+
+def _kill_heal_and_train(cluster, devices: dict[int, str]) -> None:
+    from notebook_dist.errors import ClusterError
+
+    cluster.run(HEAL_DDP).raise_for_errors()
+    with pytest.raises(ClusterError):
+        cluster.run("import os\nif nd.rank == 1:\n    os._exit(3)\ndist.barrier()")
+    healed = cluster.heal(["ddp", "opt"])
+    assert healed.ranks == [1] and healed.copied == ["ddp", "opt"], healed.text()
+    r = cluster.run(HEALED_CHECK)
+    r.raise_for_errors()
+    assert dict(r.values) == {rank: (device, True) for rank, device in devices.items()}
+    assert cluster.compare("ddp.module").agree
+
+
+def test_heal_of_gloo_ranks_sharing_one_gpu_puts_the_copy_on_the_gpu():
+    from notebook_dist import DistCluster
+
+    with DistCluster(n=torch.cuda.device_count() + 1) as cluster:
+        assert cluster.backend == "gloo"
+        devices = {r.rank: r.device for r in cluster.ranks}
+        assert devices[1].startswith("cuda")
+        _kill_heal_and_train(cluster, devices)
+
+
+@two_gpus
+def test_heal_on_nccl_aborts_the_survivors_communicators_and_gives_the_new_rank_its_gpu():
+    from notebook_dist import DistCluster
+
+    with DistCluster(gpus="0,1") as cluster:
+        assert cluster.backend == "nccl" and cluster.world_size == 2
+        _kill_heal_and_train(cluster, {0: "cuda:0", 1: "cuda:1"})

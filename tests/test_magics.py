@@ -417,3 +417,25 @@ def test_pull_refuses_names_ipython_owns(live, run):
         "%dist_pull _: IPython keeps its own values under that name in the notebook; "
         "on the ranks, assign it to another name first (x = _)"
     )
+
+
+def test_a_users_mistake_becomes_a_usage_error_one_way():
+    """Only ``usage_errors`` raises IPython's UsageError: the library's mistakes
+    (``errors.UsageMistake``) and a magic's own refusals (``refuse``) both go through it."""
+    import ast
+    from pathlib import Path
+
+    raised = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "magics").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                call = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if getattr(call, "id", None) == "UsageError":
+                    fn = next(
+                        f.name
+                        for f in ast.walk(ast.parse(path.read_text()))
+                        if isinstance(f, ast.FunctionDef)
+                        and f.lineno <= node.lineno <= f.end_lineno
+                    )
+                    raised.append((path.name, fn))
+    assert raised == [("magics.py", "usage_errors")], raised

@@ -135,6 +135,7 @@ def test_the_hang_catalogue_shows_each_verdict_as_printed(site):
         "was killed by SIGABRT in all_reduce at line 2",
         "where the ranks passed: rank 0 (4,) float32; rank 1 (5,) float32",
         "rank 0 broadcasts from src=0 and rank 1 from src=1",
+        "The ranks wait in collectives of different process groups: rank 0 waits in all_reduce",
         "at line 4 of evaluate() in Cell In[",
         "was not issued: the ranks pass different shapes (rank 0: (4,); rank 1: (5,))",
         "torch's collective timeout (4 s, %dist_init --timeout) ended all_reduce #1 at line 4 on rank 0",

@@ -135,6 +135,8 @@ class DistCluster:
         self.asked = None
         #: rank -> how many times it was healed (replaced by a fresh engine)
         self.healed: dict[int, int] = {}
+        #: a heal's new ranks replay cells alone: the group is not to be made meanwhile
+        self.replaying_alone = False
 
     def _processes(self) -> Processes:
         return Processes(self.config, self.launcher)

@@ -97,8 +97,7 @@ def run(
     prepared = cell if isinstance(cell, PreparedCell) else prepare_cell(cell, filename, header)
     cluster.processes.check_alive(selected)
     gather = list(gather)
-    if cluster.group_lost:
-        regain_group(cluster, out)
+    regain_group(cluster, out)  # when the last rebuild failed, or it broke between cells
     how_profiled, offsets = _profiling(cluster, selected) if profile else (None, {})
     t0 = time.perf_counter()
     token = uuid.uuid4().hex

@@ -115,10 +115,30 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
     raise ClusterError(said)
 
 
+def broken_marks(processes) -> dict[int, str]:
+    """Ranks on this machine whose process group broke since it was last made, and why
+    (each rank marks it beside its control files: ``runtime.group``)."""
+    marks = {}
+    for r in range(len(processes.ranks)):
+        if processes.profile_dir and processes.local(r):
+            with contextlib.suppress(OSError), open(processes.control_file(r, "broken")) as f:
+                marks[r] = f.read()
+    return marks
+
+
 def regain_group(cluster, out: TextIO | None = None) -> None:
-    """Before a cell, when the last rebuild failed: rebuild the group now (every rank keeps
+    """Before a cell, when the last rebuild failed or the group broke between cells (a
+    thread of the user's ran into torch's timeout): rebuild the group now (every rank keeps
     its variables), or refuse the cell at once, saying what to do, rather than let it fail
     on every rank, or wait in a rendezvous, for want of a group."""
+    if cluster.replaying_alone:  # a heal: the group is made after its replay
+        return
+    if not cluster.group_lost:
+        marks = broken_marks(cluster.processes)
+        if not marks:
+            return
+        r = min(marks)
+        cluster.group_lost = f"it broke after the last cell: rank {r} met {marks[r]!r}"
     why = cluster.group_lost
     try:
         took = rebuild_process_group(cluster)

@@ -67,6 +67,8 @@ def bootstrap(
     STATE.timeout_s = timeout_s
     STATE.store_timeout_s = store_timeout_s
     STATE.extras["cluster_env"] = {k: env[k] for k in group.CLUSTER_ENV if k in env}
+    STATE.extras["control_file"] = control_file
+    group.clear_broken_mark()  # a rank this engine replaces may have left one
     STATE.bootstrapped = True
     _start_agent(control_file, publish_interval)
     if control_file:

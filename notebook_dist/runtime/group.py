@@ -9,6 +9,7 @@ the next cell needs the group. The cluster's own code calls torch's originals.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -321,4 +322,30 @@ def note_failure(
     if record is not None:
         broken["record"] = record
     STATE.group_broken = broken
+    _mark_broken(broken["why"])
     return broken
+
+
+def _broken_mark() -> str | None:
+    """The file beside the rank's control files that says its group broke: the notebook
+    looks for it before a cell, so a group that broke between cells (a thread of the user's
+    ran into torch's timeout) is made again before the cell runs."""
+    control = STATE.extras.get("control_file")
+    return control.replace("release-rank-", "broken-rank-") if control else None
+
+
+def _mark_broken(why: str) -> None:
+    path = _broken_mark()
+    if path is not None:
+        try:
+            with open(path, "w") as f:
+                f.write(why)
+        except OSError:  # the cell's own reply still says so
+            pass
+
+
+def clear_broken_mark() -> None:
+    path = _broken_mark()
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)

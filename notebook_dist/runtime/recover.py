@@ -265,4 +265,5 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
         said = str(exc).strip().splitlines()
         return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}
     STATE.group_broken = None
+    group.clear_broken_mark()
     return {"rank": STATE.rank, "reinit_s": time.perf_counter() - t0, "rebound": rebound}

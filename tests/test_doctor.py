@@ -267,11 +267,14 @@ def test_a_killed_rank_is_named_where_it_was_last_seen(cluster):
             filename="Cell In[7]",
             header="%%distributed",
         )
-    # its peer's all_reduce failed when the killed rank's connections closed: a consequence
+    # its peer, in the all_reduce the killed rank never reached, is said as it was when the
+    # death was found: its collective already failed when the connections closed, or (on a
+    # busy machine the death can be found first) still waiting there. Both are true.
     assert re.match(
-        r"rank 1 was killed by SIGKILL \(last seen at line 4, [\d.]+ s before it was found dead\)\. Rank 0's "
-        r"collective at line 6 failed when the connections closed\. Run %dist_heal for a fresh "
-        r"rank in its place .* or %dist_restart",
+        r"rank 1 was killed by SIGKILL \(last seen at line 4, [\d.]+ s before it was found dead\)\. "
+        r"(Rank 0's collective at line 6 failed when the connections closed|rank 0 waits in "
+        r"all_reduce #1 at line 6)\. Run %dist_heal for a fresh rank in its place .* or "
+        r"%dist_restart",
         str(info.value),
     ), str(info.value)
 

@@ -105,7 +105,14 @@ def _drain_fd(stream, timeout: float) -> None:
 
 
 def _reading(frame) -> bool:
-    if frame is None or frame.f_code.co_name != "_watch_pipe_fd":
+    """True when the pipe thread waits in ``os.read``; False while it handles what it
+    read (its own frame is then below the top: ``self.write`` of the bytes)."""
+    top = frame
+    while frame is not None and frame.f_code.co_name != "_watch_pipe_fd":
+        frame = frame.f_back
+    if frame is None:
         return True  # not the thread we know: nothing to wait for
+    if frame is not top:
+        return False  # writing what it read: the bytes are not in the stream yet
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
     return "os.read(" in line

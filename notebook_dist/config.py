@@ -8,6 +8,7 @@ A user-set environment variable that we replace is reported when the cluster sta
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -47,6 +48,17 @@ class DistConfig:
     background when taken. Each costs the memory of a Python with torch imported, about
     240 MiB of its own here (docs/guide.md, "Heal"); as many as ranks make a restart as
     quick as a heal. 0: engines are started when needed."""
+
+    fork_engines: bool = True
+    """A local cluster's engines are forked from one process that imported torch once
+    (``runtime/forkserver.py``), not started as a Python each that imports torch: a
+    cluster starts in about the time of one import, whatever its size, and an idle rank
+    shares the imported pages. False: each engine is a fresh process, as ipyparallel
+    starts it (MPI, Slurm and ssh engines always are)."""
+
+    spares_after_s: float = 3.0
+    """The warm pool starts filling once a cluster has run this long, not while it
+    starts: a cluster stopped sooner (a script's, a test's) never waits for a spare."""
 
     heal: str = "off"
     """``"auto"`` (``%dist_init --heal auto``): when a rank dies in a cell, it is healed at
@@ -120,11 +132,19 @@ class DistConfig:
     collective (the guide gives the figure); ``%%distributed --check-collectives`` turns it
     on for one cell."""
 
-    heartbeat_ms: int = 300
-    """ipyparallel's controller heartbeat period. Its default (3 s) makes each engine wait
-    up to one period to finish registering, most of the cluster's start-up time here;
-    an engine is declared dead only after 10 missed beats (3 s at this setting), and the
-    heart runs in a C thread that a busy rank does not block."""
+    heartbeat_ms: int = 100
+    """ipyparallel's controller heartbeat period. A new engine is counted as registered at
+    the beat after its first answer, so each waits up to two periods: at ipyparallel's 3 s
+    default most of a cluster's start-up, at 300 ms still 0.5 s of a 2-s start
+    (measured). The heart runs in a C thread that a busy rank does not block."""
+
+    heartbeat_dead_s: float = 3.0
+    """An engine whose heart has not answered for this long is declared dead (as many
+    missed beats as fit in it)."""
+
+    def heartbeat_misses(self) -> int:
+        """The controller's allowed missed beats: ``heartbeat_dead_s`` at ``heartbeat_ms``."""
+        return max(1, math.ceil(1000 * self.heartbeat_dead_s / self.heartbeat_ms))
 
     publish_interval_s: float = 0.5
     """How often each rank's agent thread reports its state while a cell runs."""

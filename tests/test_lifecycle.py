@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 PIDS_CODE = (
     "from notebook_dist import session\n"
     "c = session.current()\n"
-    "print('PIDS', *[r.pid for r in c.ranks], c.processes.ipp.controller.pid, c.processes.reaper.proc.pid)\n"
+    "print('PIDS', *[r.pid for r in c.ranks], c.processes.ipp.controller.pid, c.processes.reaper.proc.pid, c.processes.forks.pid)\n"
 )
 
 
@@ -40,7 +40,7 @@ def _kernel_with_cluster(tmp_path):
             PIDS_CODE, timeout=30, output_hook=lambda m: lines.append(m["content"].get("text", ""))
         )
         pids = [int(p) for p in "".join(lines).split("PIDS", 1)[1].split()]
-        assert len(pids) == 4 and pids_alive(pids) == pids
+        assert len(pids) == 5 and pids_alive(pids) == pids  # ranks, controller, reaper, fork server
         yield km, kc, pids
     finally:
         kc.stop_channels()

@@ -182,7 +182,7 @@ class DistCluster:
             raise
         self.startup_s = time.perf_counter() - t0
         self.state = "running"
-        self.processes.pool.fill()  # spares start in the background, after the ranks
+        self.processes.pool.fill_later(self.config.spares_after_s)  # in the background
         if self.config.loopback_only:  # every rank is on this machine: tensors go through tmpfs
             self.shm_dir = shm_dir_for(self.cluster_id)
             if self.shm_dir and self.processes.reaper is not None:

@@ -32,7 +32,7 @@ def engine_cmd(python: str = sys.executable, remote: bool = False) -> list[str]:
     cmd = [python, "-m", "notebook_dist.runtime.engine", "--IPEngine.enable_nanny=False"]
     if remote:
         # on another host no reaper of ours can end the engine: it ends itself when the
-        # controller's heartbeat is gone for 15 checks (12 s at our 300 ms period; 40 s
+        # controller's heartbeat is gone for 15 checks (9 s at our 100 ms period; 40 s
         # by ipyparallel's default). A busy cell does not count: the pings queue up.
         cmd.append(f"--IPEngine.max_heartbeat_misses={REMOTE_HEARTBEAT_MISSES}")
     return cmd

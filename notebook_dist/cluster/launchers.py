@@ -35,7 +35,16 @@ class Launcher:
         self.config = config
 
     @property
+    def forks_engines(self) -> bool:
+        """Whether the engines are forked from the cluster's fork server (``forks.py``)."""
+        return self.config.fork_engines
+
+    @property
     def ipp_class(self) -> type:
+        if self.forks_engines:
+            from .forks import ForkedEngineSetLauncher
+
+            return ForkedEngineSetLauncher
         return engines.RankEngineSetLauncher
 
     def settings(self, profile_dir: str) -> dict[str, Any]:
@@ -80,6 +89,7 @@ class MPILauncher(Launcher):
     """Engines started by ``mpiexec``, ranks in MPI rank order."""
 
     name = "mpi"
+    forks_engines = False  # started by their own tool, on their own hosts
     watch_rank_pids = True
     ordered_by_probe = True
 
@@ -126,6 +136,7 @@ class SlurmLauncher(Launcher):
     """Engines as the tasks of one ``sbatch`` job, ranks in ``SLURM_PROCID`` order."""
 
     name = "slurm"
+    forks_engines = False  # started by their own tool, on their own hosts
     watch_rank_pids = True
     ordered_by_probe = True
 
@@ -184,6 +195,7 @@ class SSHLauncher(Launcher):
     for the hosts' own probes (their GPUs, their addresses)."""
 
     name = "ssh"
+    forks_engines = False  # started by their own tool, on their own hosts
     remote = True
     ordered_by_probe = True
 

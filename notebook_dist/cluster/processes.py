@@ -61,6 +61,8 @@ class Processes:
 
         #: idle engines ready to stand in for dead ranks (notebook_dist.heal)
         self.pool = SparePool(self, config.spare_engines if self.spares_possible() else 0)
+        #: the process the local engines are forked from (cluster/forks.py), if any
+        self.forks = None
 
     # ---- starting ---------------------------------------------------------------------
 
@@ -72,6 +74,8 @@ class Processes:
         self.reaper.remove_on_exit(self.profile_dir)
         launcher = self.launcher
         self.ipp = cluster = ipp_cluster(self.config, launcher, self.profile_dir, n)
+        if launcher.forks_engines:  # importing torch while the controller starts
+            self._start_fork_server()
         cluster.start_controller_sync()
         controller = self._record(cluster.controller, "controller")
         if controller is not None:
@@ -111,12 +115,24 @@ class Processes:
         self.engine_ids = rank_order(probes)
         return [probes[e] for e in self.engine_ids]
 
+    def _start_fork_server(self) -> None:
+        from . import forks
+
+        env = {**os.environ, **engine_environment(self.config, self.launcher)}
+        self.forks = server = forks.start(self.config, env, self.profile_dir)
+        proc = Started.record(server.pid, "fork server", parent=os.getpid())
+        if proc is not None:
+            self.started.append(proc)
+            self.reaper.watch(proc)
+
     def _record(self, el, what: str) -> Started | None:
-        """A launcher's process, if it is one this process started (a launcher's ``pid`` is
-        -1 until its process exists, and an ssh launcher's pid is on another host)."""
+        """A launcher's process, if it is one this process started, or its fork server
+        did (a launcher's ``pid`` is -1 until its process exists, and an ssh launcher's
+        pid is on another host)."""
         if not engines.is_local(el):
             return None
-        proc = Started.record(getattr(el, "pid", None), what, parent=os.getpid())
+        parent = getattr(el, "parent_pid", None) or os.getpid()
+        proc = Started.record(getattr(el, "pid", None), what, parent=parent)
         if proc is not None:
             self.started.append(proc)
         return proc
@@ -233,7 +249,7 @@ class Processes:
         for ending in self.retiring:
             ending.join()
         launchers = self.all_launchers()  # (stopping the cluster forgets them)
-        self._exit_idle_ranks()
+        exit_idle_ranks(self)
         if self.client is not None:
             try:
                 self.client.close()
@@ -247,6 +263,8 @@ class Processes:
             stop_loop_thread(self.ipp)
             engines.remove_remote_dirs(launchers, also=self.profile_dir)
             self.ipp.shutdown_atexit = False  # what it could not stop, we end below
+        if self.forks is not None:
+            self.forks.close()
         # whatever ipyparallel did not stop, we do: only what was recorded as started here
         from ..signals import end
 
@@ -258,29 +276,32 @@ class Processes:
                 shutil.rmtree(path, ignore_errors=True)
         return ended
 
-    def _exit_idle_ranks(self, wait_s: float = 2.0) -> None:
-        """Idle ranks end themselves at once: a rank's interpreter can take seconds to exit
-        on SIGTERM (joining torch's store and Gloo threads), which ipyparallel then waits
-        out. Busy or unreachable ranks are left to the TERM/KILL that follows."""
-        if self.client is None or not self.engine_ids:
-            return
-        launchers = [
-            el for el in self.rank_launchers.values() if el is not None and not el.exited.is_set()
-        ]
-        others = [proc for r, proc in self.rank_procs.items() if self.rank_launchers.get(r) is None]
-        if not launchers and not others:
-            return
-        from ..signals import is_running
 
-        try:
-            self.view(self.engine_ids).apply_async(rt_bootstrap.exit_now)
-        except Exception:
-            return
-        deadline = time.monotonic() + wait_s
-        for el in launchers:
-            el.exited.wait(max(0.0, deadline - time.monotonic()))
-        while any(is_running(p) for p in others) and time.monotonic() < deadline:
-            time.sleep(0.05)
+def exit_idle_ranks(processes: Processes, wait_s: float = 2.0) -> None:
+    """Idle ranks end themselves at once: a rank's interpreter can take seconds to exit
+    on SIGTERM (joining torch's store and Gloo threads), which ipyparallel then waits
+    out. Busy or unreachable ranks are left to the TERM/KILL that follows."""
+    if processes.client is None or not processes.engine_ids:
+        return
+    launchers = [
+        el for el in processes.rank_launchers.values() if el is not None and not el.exited.is_set()
+    ]
+    others = [
+        proc for r, proc in processes.rank_procs.items() if processes.rank_launchers.get(r) is None
+    ]
+    if not launchers and not others:
+        return
+    from ..signals import is_running
+
+    try:
+        processes.view(processes.engine_ids).apply_async(rt_bootstrap.exit_now)
+    except Exception:
+        return
+    deadline = time.monotonic() + wait_s
+    for el in launchers:
+        el.exited.wait(max(0.0, deadline - time.monotonic()))
+    while any(is_running(p) for p in others) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def ended_message(dead: dict[int, str], world_size: int, healable: bool = True) -> str:
@@ -328,19 +349,16 @@ def ipp_cluster(config: DistConfig, launcher: Launcher, profile_dir: str, n: int
     for key, value in launcher.settings(profile_dir).items():
         setattr(section, key, value)
     section.engine_cmd = launcher.engine_cmd()
-    # the ranks' whole environment is in place when the process starts, before the
-    # thread that imports torch meanwhile (runtime/engine.py) can read any of it
-    section.environment = {
-        **config.launch_env(),
-        **config.rank_overrides(),
-        **launcher.environment(),
-    }
+    section.environment = engine_environment(config, launcher)
     return ipp.Cluster(
         n=n,
         profile_dir=profile_dir,
         controller_ip=launcher.controller_ip(),
         engine_launcher_class=launcher.ipp_class,
-        controller_args=[f"--HeartMonitor.period={int(config.heartbeat_ms)}"],
+        controller_args=[
+            f"--HeartMonitor.period={int(config.heartbeat_ms)}",
+            f"--HeartMonitor.max_heartmonitor_misses={config.heartbeat_misses()}",
+        ],
         delay=0.0,
         send_engines_connection_env=False,  # engines start with the controller and wait for its file
         log=log,
@@ -349,6 +367,13 @@ def ipp_cluster(config: DistConfig, launcher: Launcher, profile_dir: str, n: int
         config=cfg,
         parent=None,
     )
+
+
+def engine_environment(config: DistConfig, launcher: Launcher) -> dict[str, str]:
+    """What the engines' environment adds to the kernel's. The ranks' whole environment is
+    in place when the process starts, before torch is imported (by the fork server, or by
+    the engine's own thread meanwhile: runtime/engine.py) and can read any of it."""
+    return {**config.launch_env(), **config.rank_overrides(), **launcher.environment()}
 
 
 def still_running(rank) -> bool:

@@ -40,6 +40,8 @@ def start_engines(processes, k: int) -> list[Spare]:
     from . import engines
 
     client = processes.client
+    if processes.forks is not None:  # what a rank loads later, in every engine from now on
+        processes.forks.preload()
     before = set(client.ids)
     set_id = processes.ipp.start_engines_sync(k)
     launchers = list(getattr(processes.ipp.engines[set_id], "launchers", {}).values())
@@ -109,7 +111,22 @@ class SparePool:
         self.spares: list[Spare] = []
         self._lock = threading.Lock()  # one start of engines at a time
         self._filling: threading.Thread | None = None
+        self._later: threading.Timer | None = None
         self.error: str | None = None  # why the last refill failed
+
+    def fill_later(self, after_s: float) -> None:
+        """:meth:`fill` once the cluster has run ``after_s`` (a cluster that is stopped
+        sooner, as a script's or a test's often is, never starts a spare)."""
+        if self.size <= 0:
+            return
+        self._later = threading.Timer(after_s, self.fill)
+        self._later.daemon = True
+        self._later.name = "notebook_dist-spares-later"
+        self._later.start()
+
+    def _cancel_later(self) -> None:
+        if self._later is not None:
+            self._later.cancel()
 
     def fill(self, wait: bool = False) -> None:
         """Start engines until the pool holds ``size`` (in the background unless ``wait``)."""
@@ -148,11 +165,15 @@ class SparePool:
     def close(self) -> None:
         """No more engines: wait for a refill under way (the cluster is stopping)."""
         self.size = 0
+        self._cancel_later()
+        if self._later is not None:
+            self._later.join()  # (a fill it began, if any, is joined below)
         if self._filling is not None:
             self._filling.join()
 
     def take(self, k: int) -> list[Spare]:
         """``k`` engines for ranks: from the pool first, the rest started now."""
+        self._cancel_later()
         if self._filling is not None:
             self._filling.join()
         with self._lock:

@@ -87,8 +87,10 @@ def bootstrap(
         "pid": os.getpid(),
         "start": start_time(os.getpid()),  # with the pid: this very process, for signalling
         "device": device,
-        "backend": dist.get_backend(),
-        "torch": torch.__version__,
+        # plain strings: torch's own str types would make the notebook import torch to
+        # read this reply (a second on the path to the first cell, measured)
+        "backend": str(dist.get_backend()),
+        "torch": str(torch.__version__),
         "cuda_devices": torch.cuda.device_count() if device.startswith("cuda") else 0,
         "import_s": t_import,
         "init_s": time.perf_counter() - t0,
@@ -127,6 +129,7 @@ def _join_group(
     launch.install()
     debugger.install()
     streams.keep_in_order()
+    streams.logging_follows_streams()
     streams.forward_display_updates()
     present_as_script()
     tracker.install(dist)

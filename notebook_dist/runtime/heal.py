@@ -19,12 +19,17 @@ from .state import STATE, user_namespace
 
 
 def warm() -> int:
-    """What a spare imports before it is needed (torch, what an optimizer loads when the
-    first one is made, and the modules a rank loads as it joins a group), so that taking it
-    costs a process group, not imports (an optimizer's first one alone is ~1 s here). Its
-    pid."""
+    """What a spare imports before it is needed (:func:`preload`), so that taking it
+    costs a process group, not imports. Its pid."""
     import os
 
+    preload()
+    return os.getpid()
+
+
+def preload() -> None:
+    """torch, what an optimizer loads when the first one is made, and the modules a rank
+    loads as it joins a group (an optimizer's first one alone is ~1 s here)."""
     import cloudpickle  # noqa: F401
     import torch
     import torch.distributed  # noqa: F401
@@ -34,7 +39,6 @@ def warm() -> int:
     from . import agent, debugger, launch, recover, streams, tracker  # noqa: F401
 
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo & co.
-    return os.getpid()
 
 
 def join_alone(rank: int, world_size: int) -> None:

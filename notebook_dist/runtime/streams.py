@@ -45,6 +45,25 @@ def keep_in_order() -> None:
     out.write, err.write = ordered(out, err), ordered(err, out)
 
 
+def logging_follows_streams() -> None:
+    """torch's log handlers, made when torch was imported (by the fork server, or by an
+    engine in the background while it started) and so before the engine took over stdout
+    and stderr, write to the streams the rank writes to now, as under torchrun: otherwise
+    torch's warnings would go to the engine's log file, not to the notebook. (The engine's
+    own log stays in its file.)"""
+    import logging
+
+    now = {id(sys.__stdout__): sys.stdout, id(sys.__stderr__): sys.stderr}
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name != "torch" and not name.startswith("torch."):
+            continue
+        for handler in getattr(logger, "handlers", ()):
+            if type(handler) is logging.StreamHandler:  # not a file's
+                stream = now.get(id(handler.stream))
+                if stream is not None and stream is not handler.stream:
+                    handler.setStream(stream)
+
+
 #: the metadata key that marks a display message as an update of an earlier display
 UPDATE = "notebook_dist/update"
 

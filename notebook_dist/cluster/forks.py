@@ -1,0 +1,228 @@
+"""Local engines forked from one process that imported torch once
+(``runtime/forkserver.py``), behind ipyparallel's own local launcher.
+
+:class:`ForkServer` starts that process, asks it for engines and learns how each ended.
+:class:`ForkedEngineSetLauncher` is ipyparallel's ``LocalEngineSetLauncher`` whose
+engines come from the cluster's fork server rather than from ``Popen``: the engine set,
+its ids, its stop and its log files stay ipyparallel's. The server belongs to the
+cluster's processes (``processes.py``), which record it, watch it with the reaper and
+close it when the cluster stops; the launchers find it by the cluster's profile folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import psutil
+
+from ..errors import ClusterError
+from .engines import RankEngineLauncher, RankEngineSetLauncher
+
+#: the fork server of each running cluster, by its profile folder
+_SERVERS: dict[str, ForkServer] = {}
+
+
+class ForkServer:
+    """One fork server process and what it has said."""
+
+    def __init__(self, python: str, env: dict[str, str], log_file: str, timeout: float = 120.0):
+        #: how long an engine's start may wait for the server (DistConfig.start_timeout_s)
+        self.timeout = timeout
+        self._preloaded = False
+        self._log = open(log_file, "ab")
+        self.popen = subprocess.Popen(
+            [python, "-m", "notebook_dist.runtime.forkserver"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            start_new_session=True,  # a Ctrl-C in a terminal is not the server's
+        )
+        self.pid = self.popen.pid
+        self.log_file = log_file
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._said: dict[int, dict] = {}  # fork id -> its answer
+        self._answered = threading.Condition(self._lock)
+        self._exits: dict[int, int | None] = {}
+        self._ended: dict[int, threading.Event] = {}
+        self._next = 0
+        self.gone = False
+        #: the essential imports that failed in the server (it is then of no use)
+        self.failed: list[str] = []
+        self._reader = threading.Thread(target=self._read, name="notebook_dist-forks", daemon=True)
+        self._reader.start()
+
+    # ---- the server's answers ---------------------------------------------------------
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            message = json.loads(line)
+            with self._lock:
+                if "ready" in message:
+                    self.failed = message.get("failed") or []
+                    self._ready.set()
+                elif "forked" in message:
+                    self._said[message["forked"]] = message
+                    self._answered.notify_all()
+                elif "exited" in message:
+                    self._exits[message["exited"]] = message["code"]
+                    self._event(message["exited"]).set()
+        with self._lock:  # closed, or killed: no more answers, no more exit codes
+            self.gone = True
+            self._ready.set()
+            self._answered.notify_all()
+            for event in self._ended.values():
+                event.set()
+
+    def _event(self, pid: int) -> threading.Event:
+        return self._ended.setdefault(pid, threading.Event())
+
+    # ---- asking -----------------------------------------------------------------------
+
+    def usable(self, timeout: float) -> bool:
+        """Whether engines can be forked: the server imported what they need (False: it
+        could not, and each engine is started as a fresh process, which says why)."""
+        self.wait_ready(timeout)
+        return not self.failed
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self._ready.wait(timeout) or (self.gone and not self.failed):
+            why = "exited" if self.gone else f"did not import torch within {timeout:.0f} s"
+            raise ClusterError(
+                f"the process that starts the engines {why}. Its log ({self.log_file}) "
+                f"ends:\n{tail(self.log_file)}"
+            )
+
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str, out: str, timeout: float) -> int:
+        """A new engine running ``argv``; its pid."""
+        self.wait_ready(timeout)
+        with self._lock:
+            self._next += 1
+            ident = self._next
+        self._send({"fork": ident, "argv": argv, "env": env, "cwd": cwd, "out": out})
+        with self._answered:
+            if not self._answered.wait_for(lambda: ident in self._said or self.gone, timeout):
+                raise ClusterError(
+                    f"the fork server did not start an engine within {timeout:.0f} s"
+                )
+            answer = self._said.pop(ident, None)
+        if answer is None or "error" in answer:
+            why = answer["error"] if answer else "it exited"
+            raise ClusterError(f"the fork server could not start an engine: {why}")
+        return answer["pid"]
+
+    def preload(self) -> None:
+        """Import what ranks load later, for the engines forked from now on (once)."""
+        if not self._preloaded:
+            self._preloaded = True
+            self._send({"preload": True})
+
+    def _send(self, message: dict) -> None:
+        try:
+            with self._lock:
+                self.popen.stdin.write((json.dumps(message) + "\n").encode())
+                self.popen.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass  # gone: the fork's wait says so
+
+    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+        """``pid``'s exit code once it has ended (None: not known, the server is gone);
+        raises ``psutil.TimeoutExpired`` while it runs."""
+        event = self._event(pid)
+        if not event.wait(timeout):
+            raise psutil.TimeoutExpired(timeout, pid)
+        if pid not in self._exits:  # the server went first: the engine may still run
+            try:
+                return psutil.Process(pid).wait(timeout)
+            except psutil.NoSuchProcess:
+                return None
+        return self._exits[pid]
+
+    def close(self, timeout: float = 5.0) -> None:
+        """No more engines: the server ends (its engines are stopped by their launchers)."""
+        _SERVERS.pop(getattr(self, "profile_dir", None), None)
+        try:
+            self.popen.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass  # ended by pid with the cluster's other processes (Processes.stop)
+        self._reader.join(timeout)
+        self._log.close()
+
+
+def tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def start(config, env: dict[str, str], profile_dir: str) -> ForkServer:
+    """The fork server of the cluster in ``profile_dir`` (its log beside the engines')."""
+    os.makedirs(os.path.join(profile_dir, "log"), exist_ok=True)
+    log_file = os.path.join(profile_dir, "log", "forkserver.log")
+    server = ForkServer(config.python, env, log_file, timeout=config.start_timeout_s)
+    server.profile_dir = profile_dir
+    _SERVERS[profile_dir] = server
+    return server
+
+
+class ForkedProcess:
+    """What ipyparallel's launcher asks of its engine's process, for a forked engine: its
+    exit code comes from the server, and its signals go through ``notebook_dist.signals``
+    with the record made when it was forked (the server's child, by pid and start time)."""
+
+    def __init__(self, server: ForkServer, pid: int):
+        from ..signals import Started
+
+        self.server = server
+        self.pid = pid
+        self.record = Started.record(pid, "engine", parent=server.pid)
+
+    def wait(self, timeout=None):
+        return self.server.wait_exit(self.pid, timeout)
+
+    def is_running(self) -> bool:
+        from ..signals import is_running
+
+        ended = self.server._event(self.pid).is_set()
+        return not ended and self.record is not None and is_running(self.record)
+
+    def send_signal(self, sig) -> None:
+        from ..signals import send
+
+        if self.record is not None:
+            send(self.record, sig)
+
+
+class ForkedEngineLauncher(RankEngineLauncher):
+    """One engine, forked by the cluster's fork server."""
+
+    def start(self):
+        server = _SERVERS.get(self.profile_dir)
+        if server is None or server.gone or not server.usable(server.timeout):
+            return super().start()  # a fresh process, as ipyparallel starts one
+        if self.state != "before":
+            raise RuntimeError(f"the engine was already started and is {self.state}")
+        env = os.environ.copy()
+        env.update(self.get_env())
+        self.pid = server.fork(
+            list(self.args), env, self.work_dir, self.output_file, server.timeout
+        )
+        #: the engine's parent, for the record of what this cluster started
+        self.parent_pid = server.pid
+        self.process = ForkedProcess(server, self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
+
+
+class ForkedEngineSetLauncher(RankEngineSetLauncher):
+    launcher_class = ForkedEngineLauncher

@@ -1,0 +1,263 @@
+"""The fork server: one process that imports torch and the engine's modules once, then
+forks a cluster's local engines from itself (``python -m notebook_dist.runtime.forkserver``).
+
+Each engine otherwise imports torch on its own (about 1.5 s of CPU here): on a machine
+with fewer cores than ranks, starting 16 engines cost 16 imports side by side. A forked
+engine shares the server's imported pages until it writes them, so it starts in the time
+of an ipyparallel engine's own start-up and costs less memory while idle.
+
+The server is started by the kernel (``notebook_dist.cluster.forks``) and speaks JSON
+lines over its stdin and stdout:
+
+- ``{"ready": pid}`` once the imports are done (with ``"failed"``, the essential ones that
+  failed, and the server ends: the kernel then starts each engine itself);
+- ``{"fork": ID, "argv": [...], "env": {...}, "cwd": DIR, "out": FILE}`` asks for an
+  engine; the answer is ``{"forked": ID, "pid": PID}`` (or ``"error"``);
+- ``{"exited": PID, "code": CODE}`` is said when an engine ends (negative: the signal
+  that ended it, as ``subprocess`` says it);
+- ``{"preload": true}`` imports what ranks load later (an optimizer's first use, DDP,
+  a heal's fake group), for the engines forked after it: asked once the first ranks
+  have started, not while they start.
+
+Nothing is forked while a thread runs or a ZeroMQ context exists (the server makes
+neither); an engine starts a session of its own, as ipyparallel's launcher starts one,
+with its output in its log file and nothing on stdin. The server ends when its stdin
+closes (the cluster stopped, or the kernel is gone); its engines are not its to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import threading
+
+#: the module a forked engine runs, as ``python -m`` would
+ENGINE_MODULE = "notebook_dist.runtime.engine"
+
+
+#: what every engine imports before it is a rank (an engine's start, measured: these
+#: are all but a few dozen small modules of what it has loaded once it has registered)
+PREIMPORTS = (
+    "torch",
+    "torch.distributed",
+    "ipyparallel.engine.app",
+    "ipykernel.ipkernel",
+    "ipykernel.debugger",  # debugpy: about 0.2 s
+    "IPython.core.completerlib",
+    "IPython.extensions.storemagic",
+    "sqlite3",  # the shell's history
+    "tornado.gen",
+    "tornado.queues",
+    "faulthandler",
+    "notebook_dist.signals",
+    "notebook_dist.runtime.engine",
+    "notebook_dist.runtime.exits",
+    "notebook_dist.runtime.host",
+    "notebook_dist.runtime.agent",
+    "notebook_dist.runtime.bootstrap",
+    "notebook_dist.runtime.debugger",
+    "notebook_dist.runtime.launch",
+    "notebook_dist.runtime.recover",
+    "notebook_dist.runtime.streams",
+    "notebook_dist.runtime.tracker",
+)
+
+
+#: without these the server is of no use: the kernel starts each engine itself, and the
+#: engine says why it cannot be a rank as it would without the server
+ESSENTIAL = ("torch", "torch.distributed", "ipyparallel.engine.app")
+
+
+def preimport() -> list[str]:
+    """:data:`PREIMPORTS`; the essential ones that failed, with why."""
+    import importlib
+
+    failed = []
+    for name in PREIMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            if name in ESSENTIAL:
+                failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    return failed
+
+
+def later_imports() -> None:
+    """What a rank loads later (its first optimizer, a DDP module, a heal's fake group),
+    for the engines forked afterwards (spares, a restart, a heal)."""
+    from .heal import preload
+
+    preload()
+    assert threading.active_count() == 1, "a thread was started while importing"
+
+
+def main() -> None:
+    commands, answers = _private_pipes()
+    name_process(b"nd-fork-server")
+    failed = preimport()
+    say = _sayer(answers)
+    if failed:
+        say({"ready": os.getpid(), "failed": failed})
+        return
+    assert threading.active_count() == 1, "a thread was started while importing"
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    say({"ready": os.getpid()})
+    pending = b""
+    while True:
+        readable, _, _ = select.select([commands, wake_r], [], [])
+        _reap(say)
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        if commands not in readable:
+            continue
+        data = os.read(commands, 65536)
+        if not data:
+            return  # the kernel closed us (or is gone)
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            if request.get("preload"):
+                later_imports()
+                continue
+            try:
+                pid = _fork_engine(request, keep_fds=(commands, answers, wake_r, wake_w))
+            except Exception as exc:  # the kernel says why the engine could not start
+                say({"forked": request.get("fork"), "error": f"{type(exc).__name__}: {exc}"})
+            else:
+                say({"forked": request.get("fork"), "pid": pid})
+
+
+def name_process(name: bytes) -> None:
+    """The name ``ps -e``, ``top`` and ``pgrep`` show (a forked engine keeps the server's
+    command line, which ``ps aux`` shows)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    except Exception:
+        pass
+
+
+def _private_pipes() -> tuple[int, int]:
+    """The command pipes moved off fds 0 and 1, which become /dev/null and stderr (what
+    an import prints must not reach the kernel as an answer)."""
+    commands, answers = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
+    return commands, answers
+
+
+def _sayer(fd: int):
+    def say(message: dict) -> None:
+        data = (json.dumps(message) + "\n").encode()
+        while data:
+            data = data[os.write(fd, data) :]
+
+    return say
+
+
+def _reap(say) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _fork_engine(request: dict, keep_fds: tuple[int, ...]) -> int:
+    argv = list(request["argv"])
+    if argv[1:3] != ["-m", ENGINE_MODULE]:
+        raise ValueError(f"the fork server starts engines only, not {argv!r}")
+    out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # the engine says when it leads a session of its own: only then is its pid answered
+    # (the kernel records it at once, as the leader of its group)
+    led_r, led_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        os.close(out)
+        os.close(led_w)
+        os.read(led_r, 1)  # (empty if the child died first: its exit is said all the same)
+        os.close(led_r)
+        return pid
+    code = 1
+    try:
+        os.close(led_r)
+        os.setsid()
+        os.write(led_w, b"1")
+        os.close(led_w)
+        _become_engine(request, argv, out, keep_fds)
+        from .engine import main as engine_main
+
+        code = 0
+        engine_main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        _exit(code)
+    return 0  # not reached
+
+
+def _become_engine(request: dict, argv: list[str], out: int, keep_fds: tuple[int, ...]) -> None:
+    """In the child: what a fresh ``Popen`` of the engine command would have been."""
+    name_process(b"nd-engine")
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in keep_fds:
+        os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    started_in = os.getcwd()
+    os.chdir(request.get("cwd") or started_in)
+    if sys.path and sys.path[0] == started_in:  # ``python -m`` put the server's folder first
+        sys.path[0] = os.getcwd()
+    os.environ.clear()
+    os.environ.update(request["env"])
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # the server read it at import: keep the engine's
+        sys.modules["torch"].set_num_threads(int(threads))
+    import importlib.util
+
+    spec = importlib.util.find_spec(ENGINE_MODULE)
+    sys.argv = [spec.origin if spec and spec.origin else argv[2], *argv[3:]]
+
+
+def _exit(code: int) -> None:
+    """End the engine as an interpreter would: exit handlers, streams flushed."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

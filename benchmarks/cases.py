@@ -118,30 +118,121 @@ def _torchrun(args: list[str], timeout: float = 300, retry: bool = True) -> tupl
 
 
 def startup(reps: int) -> dict:
+    """A cold ``DistCluster(n=2).start()`` (engines forked from one process that imported
+    torch once), the same with each engine a fresh Python (``fork_engines=False``), and
+    torchrun's start to a first all_reduce, in turn (the order rotates each round)."""
     from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
 
-    ours, theirs = [], []
+    memory: dict[str, list[dict]] = {"forked": [], "fresh": []}
+
+    def ours(fork: bool) -> float:
+        t0 = time.perf_counter()
+        # returns once every rank's process group is usable
+        c = DistCluster(n=2, config=DistConfig(fork_engines=fork)).start()
+        elapsed = time.perf_counter() - t0
+        memory["forked" if fork else "fresh"] += [rank_memory(r.pid) for r in c.ranks]
+        try:  # (not timed) the group is usable: an all_reduce sums
+            summed = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
+            assert dict(summed.values) == {0: 2.0, 1: 2.0}, summed.values
+        finally:
+            c.shutdown()
+        return elapsed
+
+    def theirs() -> float:
+        elapsed, stdout = _torchrun(["startup"])
+        assert "RESULT 2.0" in stdout, stdout  # its all_reduce summed
+        return elapsed
+
+    arms = {"forked": lambda: ours(True), "fresh": lambda: ours(False), "torchrun": theirs}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    names = list(arms)
     for i in range(reps):
-        order = [0, 1] if i % 2 == 0 else [1, 0]
-        for which in order:
-            if which == 0:
-                t0 = time.perf_counter()
-                c = DistCluster(n=2).start()  # returns once every rank's process group is usable
-                ours.append(time.perf_counter() - t0)
-                try:  # (not timed) the group is usable: an all_reduce sums
-                    summed = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
-                    assert dict(summed.values) == {0: 2.0, 1: 2.0}, summed.values
-                finally:
-                    c.shutdown()
-            else:
-                elapsed, stdout = _torchrun(["startup"])
-                assert "RESULT 2.0" in stdout, stdout  # its all_reduce summed
-                theirs.append(elapsed)
+        for name in names[i % 3 :] + names[: i % 3]:
+            times[name].append(arms[name]())
     return {
-        "dist_init_s": summarize(ours),
-        "torchrun_s": summarize(theirs),
-        "startup_vs_torchrun": ratio(ours, theirs),
+        "dist_init_s": summarize(times["forked"]),
+        "dist_init_fresh_engines_s": summarize(times["fresh"]),
+        "torchrun_s": summarize(times["torchrun"]),
+        "startup_vs_torchrun": ratio(times["forked"], times["torchrun"]),
+        "fresh_engines_vs_torchrun": ratio(times["fresh"], times["torchrun"]),
+        "forked_vs_fresh_engines": ratio(times["forked"], times["fresh"]),
+        "idle_rank_mib": {
+            k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in memory.items()
+        },
     }
+
+
+def rank_memory(pid: int) -> dict:
+    """A rank's memory, MiB: resident, its own (private pages), and its proportional share
+    of the pages it shares (PSS), from /proc/PID/smaps_rollup."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) / 1024
+    return {
+        "rss": fields["Rss"],
+        "own": fields["Private_Clean"] + fields["Private_Dirty"],
+        "pss": fields["Pss"],
+    }
+
+
+SCALE_SIZES = (2, 4, 8, 16, 32)
+
+
+def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
+    """Start, an empty cell (wall, and the kernel's CPU), and a gather of 1 MB from every
+    rank, at each size; every size's round runs beside one at 2 ranks (alternating which
+    starts first), so each ratio to 2 ranks is of pairs measured back to back."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    def measure(n: int) -> dict:
+        t0 = time.perf_counter()
+        c = DistCluster(n=n, config=DistConfig(spare_engines=0)).start()
+        start = time.perf_counter() - t0
+        try:
+            for _ in range(3):
+                c.run("pass").raise_for_errors()
+            wall, cpu = [], []
+            for _ in range(cells):
+                w0, c0 = time.perf_counter(), time.process_time()
+                c.run("pass").raise_for_errors()
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - w0)
+            c.run("x = torch.zeros(2**18)").raise_for_errors()  # 1 MiB of float32
+            gather = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                r = c.run("pass", gather=["x"])
+                gather.append(time.perf_counter() - t0)
+                assert len(r.gathered["x"]) == n
+        finally:
+            c.shutdown()
+        return {
+            "start_s": start,
+            "cell_s": statistics.median(wall),
+            "cell_cpu_s": statistics.median(cpu),
+            "gather_1MB_each_s": statistics.median(gather),
+        }
+
+    keys = ("start_s", "cell_s", "cell_cpu_s", "gather_1MB_each_s")
+    out: dict = {}
+    for n in sizes[1:]:
+        small: dict[str, list[float]] = {k: [] for k in keys}
+        big: dict[str, list[float]] = {k: [] for k in keys}
+        for i in range(reps):
+            for which in [small, big] if i % 2 == 0 else [big, small]:
+                got = measure(2 if which is small else n)
+                for k in keys:
+                    which[k].append(got[k])
+        out[f"{n}_ranks"] = {
+            **{k: summarize(big[k]) for k in keys},
+            **{f"{k}_vs_2": ratio(big[k], small[k]) for k in keys},
+        }
+    return out
 
 
 def dispatch(cluster, shell, reps: int) -> dict:

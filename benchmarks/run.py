@@ -24,9 +24,39 @@ TARGETS = [
     # (label, path in results, how the ratio must compare, bound)
     (
         "startup: %dist_init -n 2 / torchrun init+all_reduce",
-        ("startup", "startup_vs_torchrun", "ratio"),
+        ("startup", "startup_vs_torchrun", "pair_median"),
+        "<=",
+        0.4,
+    ),
+    (
+        "startup: engines forked / each a fresh Python",
+        ("startup", "forked_vs_fresh_engines", "pair_median"),
         "<=",
         1.0,
+    ),
+    (
+        "scale: %dist_init -n 16 / -n 2",
+        ("scale", "16_ranks", "start_s_vs_2", "pair_median"),
+        "<=",
+        2.0,
+    ),
+    (
+        "scale: %dist_init -n 32 / -n 2",
+        ("scale", "32_ranks", "start_s_vs_2", "pair_median"),
+        "<=",
+        3.0,
+    ),
+    (
+        "scale: empty cell, kernel CPU, 16 ranks / 2",
+        ("scale", "16_ranks", "cell_cpu_s_vs_2", "pair_median"),
+        "<=",
+        1.5,
+    ),
+    (
+        "scale: empty cell, wall, 16 ranks / 2",
+        ("scale", "16_ranks", "cell_s_vs_2", "pair_median"),
+        "<=",
+        2.0,
     ),
     (
         "dispatch: empty cell / view.execute",
@@ -125,6 +155,7 @@ CASE_NAMES = (
     "doctor",
     "checks",
     "heal",
+    "scale",
 )
 
 
@@ -164,7 +195,7 @@ def main(argv=None) -> int:
     results["torch"] = torch.__version__
     if "startup" in only:
         print("startup ...", flush=True)
-        results["startup"] = cases.startup(2 if quick else 3)
+        results["startup"] = cases.startup(3 if quick else 9)
 
     from IPython.terminal.interactiveshell import TerminalInteractiveShell
     from IPython.utils.capture import capture_output
@@ -198,6 +229,10 @@ def main(argv=None) -> int:
     if "heal" in only:
         print("heal ...", flush=True)
         results["heal"] = cases.heal_and_restart(3 if quick else 9)
+    if "scale" in only:
+        print("scale ...", flush=True)
+        sizes = (2, 4, 16) if quick else cases.SCALE_SIZES
+        results["scale"] = cases.scale(2 if quick else 5, 10 if quick else 30, sizes)
     if "growth" in only:
         print("growth ...", flush=True)
         results["growth"] = cases.growth(20 if quick else 50)
@@ -243,6 +278,14 @@ def main(argv=None) -> int:
         print(
             f"--check-collectives, all_reduce of {key}: {t['checked_vs_plain']['pair_median']:.2f}x "
             f"without it, +{t['added_us']:.0f} us a call"
+        )
+    for n, g in results.get("scale", {}).items():
+        print(
+            f"scale {n}: start {g['start_s']['median']:.2f} s ({g['start_s_vs_2']['pair_median']:.2f}x 2 ranks), "
+            f"empty cell {1000 * g['cell_s']['median']:.1f} ms ({g['cell_s_vs_2']['pair_median']:.2f}x), "
+            f"kernel CPU {1000 * g['cell_cpu_s']['median']:.1f} ms ({g['cell_cpu_s_vs_2']['pair_median']:.2f}x), "
+            f"gather 1 MB each {1000 * g['gather_1MB_each_s']['median']:.0f} ms "
+            f"({g['gather_1MB_each_s_vs_2']['pair_median']:.2f}x)"
         )
     for n, g in results.get("growth", {}).items():
         print(

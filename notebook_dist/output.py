@@ -29,7 +29,7 @@ from collections import deque
 from typing import Any, TextIO
 
 from .displays import DisplayRelay
-from .phrases import rank_span
+from .phrases import rank_list
 
 STREAMS = ("stdout", "stderr")
 NOTE = "notebook_dist:"  # how the tool's own notes on a rank begin
@@ -183,7 +183,7 @@ class OutputStreamer:
             self._put(ranks, name, lines)
 
     def _put(self, ranks: list[int], name: str, lines: list[str]) -> None:
-        prefix = f"[{rank_span(ranks)}] "
+        prefix = f"[{rank_list(ranks)}] "
         stream = self._stream(name)
         stream.write("".join(f"{prefix}{line}\n" for line in lines))
         stream.flush()

@@ -8,16 +8,13 @@ _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)
 
 
 def rank_list(ranks: Iterable[int], one: str = "rank", many: str = "ranks") -> str:
-    """'rank 1', 'ranks 0, 2'."""
-    ranks = sorted(ranks)
-    return f"{one if len(ranks) == 1 else many} {', '.join(map(str, ranks))}"
-
-
-def rank_span(ranks: Iterable[int]) -> str:
-    """'rank 1', 'ranks 0-7', 'ranks 0, 2, 5', 'ranks 0-3, 6': runs of ranks as ranges."""
+    """'rank 1', 'ranks 0, 2', 'Ranks 0-9, 11-31' (``many="Ranks"``): three or more ranks
+    in a row as a range, so a verdict at 32 ranks names the odd one out at a glance."""
     ranks = sorted(set(ranks))
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
+    return f"{one if len(ranks) == 1 else many} {_runs(ranks)}"
+
+
+def _runs(ranks: list[int]) -> str:
     runs: list[list[int]] = []
     for r in ranks:
         if runs and r == runs[-1][-1] + 1:
@@ -25,7 +22,7 @@ def rank_span(ranks: Iterable[int]) -> str:
         else:
             runs.append([r])
     parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
-    return "ranks " + ", ".join(parts)
+    return ", ".join(parts)
 
 
 def _scaled(n: float) -> tuple[float, str]:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from notebook_dist.output import OutputStreamer, last_state
-from notebook_dist.phrases import rank_span
+from notebook_dist.phrases import rank_list
 
 
 def streamer(n: int, **kw):
@@ -142,12 +142,12 @@ def test_folding_waits_a_bounded_moment_and_never_reorders_a_ranks_lines():
     assert out.getvalue().splitlines()[-1] == "[ranks 2, 3] b"
 
 
-def test_rank_spans_read_as_ranges():
-    assert rank_span([3]) == "rank 3"
-    assert rank_span(range(8)) == "ranks 0-7"
-    assert rank_span([0, 2, 5]) == "ranks 0, 2, 5"
-    assert rank_span([0, 1, 2, 3, 6]) == "ranks 0-3, 6"
-    assert rank_span([4, 5]) == "ranks 4, 5"
+def test_rank_lists_read_as_ranges():
+    assert rank_list([3]) == "rank 3"
+    assert rank_list(range(8)) == "ranks 0-7"
+    assert rank_list([0, 2, 5]) == "ranks 0, 2, 5"
+    assert rank_list([0, 1, 2, 3, 6]) == "ranks 0-3, 6"
+    assert rank_list([4, 5]) == "ranks 4, 5"
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ..phrases import rank_span
+from ..phrases import rank_list
 from .state import DashboardState, RankRow
 from .text import healed_text, progress_text
 from .widget_colors import STATE_COLORS
@@ -66,7 +66,7 @@ class Group:
             step = f" · step {progress_text(low, self.total)}"
             if high != low:
                 step = f" · steps {low:g}-{progress_text(high, self.total)}"
-        return f"{rank_span(self.ranks)}: {what}{step}"
+        return f"{rank_list(self.ranks)}: {what}{step}"
 
     @property
     def needs_a_look(self) -> bool:

@@ -1,0 +1,79 @@
+"""Many ranks from one notebook (2 cores here): 16 and 32 CPU ranks start, the doctor names
+the one rank that skipped a collective, the one with fewer batches and the one that died,
+and every rank's output reaches the notebook whole and in order. How soon is a benchmark
+(benchmarks/cases.py scale), not a test."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from conftest import until_verdict, wait_until
+
+from notebook_dist import DistCluster
+from notebook_dist.config import DistConfig
+from notebook_dist.errors import ClusterError
+
+pytestmark = pytest.mark.slow
+
+HANG_AFTER = 3.0
+
+
+@pytest.fixture(scope="module", params=[16, 32])
+def big(request):
+    c = DistCluster(n=request.param, config=DistConfig(spare_engines=0)).start()
+    yield c
+    c.shutdown()
+
+
+def verdict(cluster, code: str):
+    diag, out, _, _ = until_verdict(cluster, code, HANG_AFTER, give_up_s=60)
+    assert diag is not None, f"no verdict within 60 s:\n{out[-3000:]}"
+    return diag
+
+
+def test_the_one_rank_that_skips_a_collective_is_named(big):
+    n = big.world_size
+    odd = n // 3
+    diag = verdict(big, f"t = torch.ones(1)\nif nd.rank != {odd}:\n    dist.all_reduce(t)\n")
+    others = [r for r in range(n) if r != odd]
+    assert diag.kind == "conditional" and diag.culprits == others, diag.verdict
+    assert diag.verdict.startswith(
+        f"Ranks 0-{odd - 1}, {odd + 1}-{n - 1} called all_reduce #1 at line 4, but rank {odd} "
+        "finished the cell without calling it."
+    ), diag.verdict
+    r = big.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
+    assert set(r.values.values()) == {float(n)}  # released, the group rebuilt
+
+
+def test_the_rank_with_fewer_batches_is_named(big):
+    short = big.world_size - 2
+    code = (
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "model = DDP(torch.nn.Linear(4, 1))\n"
+        f"batches = [torch.randn(8, 4) for _ in range(2 if nd.rank == {short} else 4)]\n"
+        "for xb in batches:\n    model(xb).sum().backward()\n"
+    )
+    diag = verdict(big, code)
+    assert diag.kind == "uneven" and diag.culprits == [short], diag.verdict
+    assert f"rank {short} finished the cell" in diag.verdict, diag.verdict
+
+
+def test_every_ranks_thousand_lines_arrive_whole_and_in_order(big):
+    out = io.StringIO()
+    r = big.run(
+        "for i in range(1000):\n    print(f'r{nd.rank} line {i}')\n", out=out, raw_output=True
+    )
+    assert not r.errors
+    lines = out.getvalue().splitlines()
+    for rank in range(big.world_size):
+        mine = [ln.split("] ", 1)[1] for ln in lines if ln.startswith(f"[rank {rank}] ")]
+        assert mine == [f"r{rank} line {i}" for i in range(1000)], (rank, len(mine))
+
+
+def test_a_dead_rank_is_named_among_many(big):
+    dead = big.world_size // 2 + 1
+    with pytest.raises(ClusterError) as got:
+        big.run(f"import os\nif nd.rank == {dead}:\n    os._exit(3)\ndist.barrier()\n")
+    assert f"rank {dead} exited with code 3" in str(got.value), str(got.value)
+    assert wait_until(lambda: set(big.dead_ranks()) == {dead}, 10), big.dead_ranks()

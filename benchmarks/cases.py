@@ -179,6 +179,48 @@ def rank_memory(pid: int) -> dict:
     }
 
 
+def monarch(reps: int, calls: int = 200) -> dict:
+    """notebook_dist and Monarch (torchmonarch) side by side, each in a plain script of its
+    own (``ours_job.py``, ``monarch_job.py``), alternating: from nothing to a Gloo group of
+    2 with a checked all_reduce, then an empty call on both ranks with values returned.
+    Monarch runs in ``MONARCH_PYTHON`` (a Python with torchmonarch and the same torch), or
+    this Python if it has it."""
+    import json
+
+    python = os.environ.get("MONARCH_PYTHON") or sys.executable
+    probe = subprocess.run([python, "-c", "import monarch.actor"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return {
+            "skipped": f"torchmonarch cannot be imported by {python} ({probe.stderr.strip()[-200:]}): "
+            "pip install torchmonarch beside the same torch, or set MONARCH_PYTHON"
+        }
+
+    def job(exe: str, script: str) -> dict:
+        done = subprocess.run(
+            [exe, str(HERE / script), str(calls)], capture_output=True, text=True, timeout=300
+        )
+        line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        if done.returncode != 0 or not line:
+            raise RuntimeError(f"{script} failed ({done.returncode}): {done.stderr[-1500:]}")
+        return json.loads(line[0][len("RESULT ") :])
+
+    ours, theirs = [], []
+    for i in range(reps):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            if which == 0:
+                ours.append(job(sys.executable, "ours_job.py"))
+            else:
+                theirs.append(job(python, "monarch_job.py"))
+    pick = lambda rows, key: [r[key] for r in rows]  # noqa: E731
+    return {
+        "ours": {k: summarize(pick(ours, k)) for k in ours[0]},
+        "monarch": {k: summarize(pick(theirs, k)) for k in theirs[0]},
+        "start_vs_monarch": ratio(pick(ours, "start_s"), pick(theirs, "start_s")),
+        "cell_vs_monarch_call": ratio(pick(ours, "cell_s"), pick(theirs, "call_s")),
+        "apply_vs_monarch_call": ratio(pick(ours, "apply_s"), pick(theirs, "call_s")),
+    }
+
+
 SCALE_SIZES = (2, 4, 8, 16, 32)
 
 

@@ -35,6 +35,18 @@ TARGETS = [
         1.0,
     ),
     (
+        "monarch: start to a checked Gloo group, ours / Monarch's",
+        ("monarch", "start_vs_monarch", "pair_median"),
+        "<=",
+        1.0,
+    ),
+    (
+        "monarch: empty cell on 2 ranks / Monarch's empty call",
+        ("monarch", "cell_vs_monarch_call", "pair_median"),
+        "<=",
+        3.0,
+    ),
+    (
         "scale: %dist_init -n 16 / -n 2",
         ("scale", "16_ranks", "start_s_vs_2", "pair_median"),
         "<=",
@@ -156,6 +168,7 @@ CASE_NAMES = (
     "checks",
     "heal",
     "scale",
+    "monarch",
 )
 
 
@@ -233,6 +246,9 @@ def main(argv=None) -> int:
         print("scale ...", flush=True)
         sizes = (2, 4, 16) if quick else cases.SCALE_SIZES
         results["scale"] = cases.scale(2 if quick else 5, 10 if quick else 30, sizes)
+    if "monarch" in only:
+        print("monarch ...", flush=True)
+        results["monarch"] = cases.monarch(3 if quick else 9)
     if "growth" in only:
         print("growth ...", flush=True)
         results["growth"] = cases.growth(20 if quick else 50)

@@ -82,7 +82,16 @@ def preimport() -> list[str]:
         except Exception as exc:
             if name in ESSENTIAL:
                 failed.append(f"{name}: {type(exc).__name__}: {exc}")
-    return failed
+    return failed + cuda_started()
+
+
+def cuda_started() -> list[str]:
+    """CUDA cannot be used in a child forked after it was initialised (torch then refuses:
+    "Cannot re-initialize CUDA in forked subprocess"): nothing here may initialise it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return ["torch.cuda: CUDA was initialised in the fork server"]
+    return []
 
 
 def later_imports() -> None:
@@ -92,6 +101,7 @@ def later_imports() -> None:
 
     preload()
     assert threading.active_count() == 1, "a thread was started while importing"
+    assert not cuda_started(), "CUDA was initialised while importing"
 
 
 def main() -> None:

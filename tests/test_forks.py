@@ -125,3 +125,5 @@ def test_the_fork_server_starts_engines_only_and_ends_when_its_input_closes(tmp_
         if server.poll() is None:
             server.kill()
             server.wait()
+        server.stdin.close()
+        server.stdout.close()

@@ -71,6 +71,7 @@ class ForkServer:
                 elif "exited" in message:
                     self._exits[message["exited"]] = message["code"]
                     self._event(message["exited"]).set()
+        self.popen.stdout.close()  # (read to its end: the server has exited)
         with self._lock:  # closed, or killed: no more answers, no more exit codes
             self.gone = True
             self._ready.set()

@@ -19,7 +19,7 @@ import threading
 import psutil
 
 from ..errors import ClusterError
-from .engines import RankEngineLauncher, RankEngineSetLauncher
+from .engines import RankEngineLauncher, RankEngineSetLauncher, tail
 
 #: the fork server of each running cluster, by its profile folder
 _SERVERS: dict[str, ForkServer] = {}
@@ -156,14 +156,6 @@ class ForkServer:
             pass  # ended by pid with the cluster's other processes (Processes.stop)
         self._reader.join(timeout)
         self._log.close()
-
-
-def tail(path: str, lines: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def start(config, env: dict[str, str], profile_dir: str) -> ForkServer:

@@ -119,19 +119,30 @@ def _torchrun(args: list[str], timeout: float = 300, retry: bool = True) -> tupl
 
 def startup(reps: int) -> dict:
     """A cold ``DistCluster(n=2).start()`` (engines forked from one process that imported
-    torch once), the same with each engine a fresh Python (``fork_engines=False``), and
-    torchrun's start to a first all_reduce, in turn (the order rotates each round)."""
+    torch once), the same with each engine a fresh Python (``fork_engines=False``), the
+    same once that process was started ahead (as ``%load_ext notebook_dist`` does, and
+    ready: a notebook's next cell), and torchrun's start to a first all_reduce, in turn
+    (the order rotates each round)."""
     from notebook_dist import DistCluster
+    from notebook_dist.cluster.processes import fork_ahead
     from notebook_dist.config import DistConfig
 
-    memory: dict[str, list[dict]] = {"forked": [], "fresh": []}
+    memory: dict[str, list[dict]] = {"forked": [], "fresh": [], "fork server ahead": []}
 
-    def ours(fork: bool) -> float:
+    def ours(fork: bool, ahead: bool = False) -> float:
+        config = DistConfig(fork_engines=fork)
+        if ahead:  # (not timed) the extension loaded, the user reads the next cell
+            server = fork_ahead(config)
+            server.wait_ready(120)
+            memory["fork server ahead"].append(rank_memory(server.pid))
         t0 = time.perf_counter()
         # returns once every rank's process group is usable
-        c = DistCluster(n=2, config=DistConfig(fork_engines=fork)).start()
+        c = DistCluster(n=2, config=config).start()
         elapsed = time.perf_counter() - t0
-        memory["forked" if fork else "fresh"] += [rank_memory(r.pid) for r in c.ranks]
+        if ahead:
+            assert c.processes.forks is server, "the cluster did not take the server started ahead"
+        else:
+            memory["forked" if fork else "fresh"] += [rank_memory(r.pid) for r in c.ranks]
         try:  # (not timed) the group is usable: an all_reduce sums
             summed = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
             assert dict(summed.values) == {0: 2.0, 1: 2.0}, summed.values
@@ -144,17 +155,25 @@ def startup(reps: int) -> dict:
         assert "RESULT 2.0" in stdout, stdout  # its all_reduce summed
         return elapsed
 
-    arms = {"forked": lambda: ours(True), "fresh": lambda: ours(False), "torchrun": theirs}
+    arms = {
+        "forked": lambda: ours(True),
+        "fresh": lambda: ours(False),
+        "ahead": lambda: ours(True, ahead=True),
+        "torchrun": theirs,
+    }
     times: dict[str, list[float]] = {k: [] for k in arms}
     names = list(arms)
     for i in range(reps):
-        for name in names[i % 3 :] + names[: i % 3]:
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
             times[name].append(arms[name]())
     return {
         "dist_init_s": summarize(times["forked"]),
         "dist_init_fresh_engines_s": summarize(times["fresh"]),
+        "dist_init_fork_server_ahead_s": summarize(times["ahead"]),
         "torchrun_s": summarize(times["torchrun"]),
         "startup_vs_torchrun": ratio(times["forked"], times["torchrun"]),
+        "fork_server_ahead_vs_torchrun": ratio(times["ahead"], times["torchrun"]),
         "fresh_engines_vs_torchrun": ratio(times["fresh"], times["torchrun"]),
         "forked_vs_fresh_engines": ratio(times["forked"], times["fresh"]),
         "idle_rank_mib": {

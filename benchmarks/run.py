@@ -29,6 +29,12 @@ TARGETS = [
         0.4,
     ),
     (
+        "startup: %dist_init -n 2 after %load_ext (its fork server ready) / torchrun",
+        ("startup", "fork_server_ahead_vs_torchrun", "pair_median"),
+        "<=",
+        0.4,
+    ),
+    (
         "startup: engines forked / each a fresh Python",
         ("startup", "forked_vs_fresh_engines", "pair_median"),
         "<=",

@@ -19,6 +19,9 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(DebugMagics(ipython))
     ipython.register_magics(PerformanceMagics(ipython))
     ipython._notebook_dist_magics = magics
+    from notebook_dist.session import SESSION
+
+    SESSION.ahead()  # torch is imported for the ranks while the user reads on
 
 
 def unload_ipython_extension(ipython) -> None:
@@ -28,3 +31,4 @@ def unload_ipython_extension(ipython) -> None:
     if magics is not None:
         magics.autodist(False)
         SESSION.shutdown()
+        SESSION.ahead(False)

@@ -63,6 +63,20 @@ class Session:
             self.shutdown()
         return said + self._start(wanted)
 
+    def ahead(self, on: bool = True) -> None:
+        """When the extension loads and no cluster runs: start the process local engines
+        are forked from, so that ``%dist_init`` need not wait for torch's import
+        (``on=False``: end it, when the extension unloads)."""
+        from .cluster import forks
+
+        if not on:
+            forks.end_ahead()
+        elif self.current() is None:
+            from .cluster.processes import fork_ahead
+            from .config import DistConfig
+
+            fork_ahead(DistConfig())
+
     def ensure(self) -> tuple[DistCluster, list[str]]:
         """The running cluster, or one started as ``%dist_init`` would: (it, what to say)."""
         cluster = self.current()

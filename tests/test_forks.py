@@ -127,3 +127,86 @@ def test_the_fork_server_starts_engines_only_and_ends_when_its_input_closes(tmp_
             server.wait()
         server.stdin.close()
         server.stdout.close()
+
+
+def test_a_server_started_ahead_is_taken_by_the_first_cluster_of_its_environment():
+    """``%load_ext`` starts the fork server ahead: the next cluster's ranks are its
+    children, its log joins the cluster's, and it ends with the cluster."""
+    from notebook_dist import DistCluster
+    from notebook_dist.cluster.processes import fork_ahead
+    from notebook_dist.config import DistConfig
+
+    config = DistConfig(spare_engines=0)
+    server = fork_ahead(config)
+    assert fork_ahead(config) is server  # one at a time
+    first_log = server.log_file
+    server.wait_ready(120)
+    with DistCluster(n=2, config=config) as c:
+        assert c.processes.forks is server
+        assert {v[0] for v in c.run(WHO).values.values()} == {server.pid}
+        assert server.log_file.startswith(c.processes.profile_dir) and os.path.exists(
+            server.log_file
+        )
+        assert not os.path.exists(os.path.dirname(first_log))
+        pids = [rk.pid for rk in c.ranks] + [server.pid]
+    assert wait_until(lambda: not pids_alive(pids), 10), pids_alive(pids)
+
+
+@pytest.mark.parametrize("change", ["environment", "fresh engines"])
+def test_a_server_started_ahead_that_does_not_fit_is_ended_at_once(monkeypatch, change):
+    """A server started ahead in another environment (a variable set since) is ended,
+    even while it still imports torch, and the cluster starts its own; so is one that a
+    cluster of fresh engines would never use."""
+    from notebook_dist import DistCluster
+    from notebook_dist.cluster.processes import fork_ahead
+    from notebook_dist.config import DistConfig
+
+    server = fork_ahead(DistConfig(spare_engines=0))
+    folder = os.path.dirname(server.log_file)
+    config = DistConfig(spare_engines=0, fork_engines=change != "fresh engines")
+    if change == "environment":
+        monkeypatch.setenv("ND_TEST_MARK", "set after the extension loaded")
+    with DistCluster(n=2, config=config) as c:
+        assert not pids_alive([server.pid]) and not os.path.exists(folder)
+        assert c.processes.forks is not server
+        marks = {v[3] for v in c.run(WHO).values.values()}
+        assert marks == {"set after the extension loaded" if change == "environment" else None}
+
+
+def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_path):
+    """In a real kernel, in an empty folder: ``%load_ext notebook_dist`` in one cell, then
+    ``%dist_init`` in the next uses the server the first started; nothing is left once
+    the kernel is shut down."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"))
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path))
+    printed: list[str] = []
+
+    def cell(code: str) -> str:
+        printed.clear()
+
+        def hook(msg):
+            if msg["msg_type"] == "stream":
+                printed.append(msg["content"]["text"])
+            elif msg["msg_type"] == "error":
+                printed.append(msg["content"]["ename"] + ": " + msg["content"]["evalue"])
+
+        reply = kc.execute_interactive(code, output_hook=hook, timeout=120)
+        assert reply["content"]["status"] == "ok", "".join(printed)
+        return "".join(printed)
+
+    try:
+        cell("%load_ext notebook_dist")
+        ahead = int(cell("from notebook_dist.cluster import forks\nprint(forks._AHEAD.pid)"))
+        cell("%dist_init -n 2")
+        said = cell(
+            "from notebook_dist.session import SESSION\nc = SESSION.current()\n"
+            "print(c.processes.forks.pid, *[r.pid for r in c.ranks])"
+        )
+        server, *ranks = map(int, said.split())
+        assert server == ahead
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    assert wait_until(lambda: not pids_alive([server, *ranks]), 15)

@@ -7,13 +7,20 @@ engines come from the cluster's fork server rather than from ``Popen``: the engi
 its ids, its stop and its log files stay ipyparallel's. The server belongs to the
 cluster's processes (``processes.py``), which record it, watch it with the reaper and
 close it when the cluster stops; the launchers find it by the cluster's profile folder.
+
+A server can also be started ahead (:func:`start_ahead`, when the extension loads), so
+that torch is imported while the user reads the notebook: the first cluster takes it
+(:func:`take_ahead`) when its environment is the one the server was started with, and
+otherwise ends it and starts its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 
 import psutil
@@ -43,6 +50,10 @@ class ForkServer:
         )
         self.pid = self.popen.pid
         self.log_file = log_file
+        #: what it was started with: a server started ahead serves only a cluster whose
+        #: engines would have the same (take_ahead)
+        self.python = python
+        self.env = dict(env)
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._said: dict[int, dict] = {}  # fork id -> its answer
@@ -159,13 +170,76 @@ class ForkServer:
 
 
 def start(config, env: dict[str, str], profile_dir: str) -> ForkServer:
-    """The fork server of the cluster in ``profile_dir`` (its log beside the engines')."""
-    os.makedirs(os.path.join(profile_dir, "log"), exist_ok=True)
-    log_file = os.path.join(profile_dir, "log", "forkserver.log")
-    server = ForkServer(config.python, env, log_file, timeout=config.start_timeout_s)
+    """The fork server of the cluster in ``profile_dir`` (its log beside the engines'):
+    the one started ahead when it fits, else a new one."""
+    server = take_ahead(config, env)
+    if server is None:
+        server = ForkServer(config.python, env, _log_file(profile_dir), config.start_timeout_s)
+    else:  # its log joins the cluster's (the same file system: the open file follows)
+        os.replace(server.log_file, _log_file(profile_dir))
+        shutil.rmtree(os.path.dirname(server.log_file), ignore_errors=True)
+        server.log_file = _log_file(profile_dir)
+        server.timeout = config.start_timeout_s
     server.profile_dir = profile_dir
     _SERVERS[profile_dir] = server
     return server
+
+
+def _log_file(profile_dir: str) -> str:
+    os.makedirs(os.path.join(profile_dir, "log"), exist_ok=True)
+    return os.path.join(profile_dir, "log", "forkserver.log")
+
+
+#: the fork server started ahead of any cluster, until a cluster takes it or it is ended
+_AHEAD: ForkServer | None = None
+
+
+def start_ahead(config, env: dict[str, str]) -> ForkServer:
+    """Start a fork server before any cluster asks for one, so that the first cluster's
+    engines need not wait for torch's import (:func:`start`). It ends when a cluster takes
+    it, with :func:`end_ahead`, or when this process ends (its input is then closed)."""
+    global _AHEAD
+    if _AHEAD is not None and not _AHEAD.gone:
+        return _AHEAD
+    import atexit
+
+    from ..signals import Started
+
+    atexit.register(end_ahead)  # (once is enough; a second call finds nothing to end)
+    folder = tempfile.mkdtemp(prefix="notebook_dist-ahead-")
+    _AHEAD = ForkServer(config.python, env, os.path.join(folder, "forkserver.log"))
+    _AHEAD.record = Started.record(_AHEAD.pid, "fork server", parent=os.getpid())
+    return _AHEAD
+
+
+def take_ahead(config, env: dict[str, str]) -> ForkServer | None:
+    """The server started ahead, for a cluster whose engines get ``env`` from
+    ``config.python``; None when there is none, or it does not fit (it is then ended)."""
+    global _AHEAD
+    server, _AHEAD = _AHEAD, None
+    if server is None:
+        return None
+    if server.gone or server.python != config.python or server.env != env:
+        _end(server)
+        return None
+    return server
+
+
+def end_ahead() -> None:
+    """End the server started ahead, if any (no cluster will take it)."""
+    global _AHEAD
+    server, _AHEAD = _AHEAD, None
+    if server is not None:
+        _end(server)
+
+
+def _end(server: ForkServer) -> None:
+    """A server no cluster took (it has no engines), ended now, even while it imports."""
+    from ..signals import end
+
+    end([server.record], grace_s=2.0)
+    server.close()
+    shutil.rmtree(os.path.dirname(server.log_file), ignore_errors=True)
 
 
 class ForkedProcess:

@@ -76,6 +76,10 @@ class Processes:
         self.ipp = cluster = ipp_cluster(self.config, launcher, self.profile_dir, n)
         if launcher.forks_engines:  # importing torch while the controller starts
             self._start_fork_server()
+        else:  # a server started ahead for local engines serves no one now
+            from .forks import end_ahead
+
+            end_ahead()
         cluster.start_controller_sync()
         controller = self._record(cluster.controller, "controller")
         if controller is not None:
@@ -367,6 +371,14 @@ def ipp_cluster(config: DistConfig, launcher: Launcher, profile_dir: str, n: int
         config=cfg,
         parent=None,
     )
+
+
+def fork_ahead(config: DistConfig):
+    """Start the fork server of local engines now, before any cluster (``forks.py``): the
+    first cluster of the same environment then does not wait for torch's import."""
+    from .forks import start_ahead
+
+    return start_ahead(config, {**os.environ, **engine_environment(config, Launcher(config))})
 
 
 def engine_environment(config: DistConfig, launcher: Launcher) -> dict[str, str]:

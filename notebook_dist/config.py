@@ -49,6 +49,11 @@ class DistConfig:
     240 MiB of its own here (docs/guide.md, "Heal"); as many as ranks make a restart as
     quick as a heal. 0: engines are started when needed."""
 
+    direct_lane: bool = True
+    """The notebook's cells and calls reach local ranks over a socket of their own
+    (``cluster/lane.py``), not through the controller's queue: one process hop fewer each
+    way, the same ipyparallel messages. False: every request goes through the queue."""
+
     fork_engines: bool = True
     """A local cluster's engines are forked from one process that imported torch once
     (``runtime/forkserver.py``), not started as a Python each that imports torch: a

@@ -310,6 +310,13 @@ def clock_offsets(cluster, ranks: list[int], samples: int = 3) -> dict[int, int]
     return {r: 0 if where[r] == here else best[where[r]][1] for r in ranks}
 
 
+def _answering(client, engine_id: int) -> bool:
+    """Whether a request of ours to this engine waits for its reply (through the queue or
+    the lane: the controller counts only what passed through its queue)."""
+    uuid = client._engines.get(engine_id)
+    return bool(uuid and client._outstanding_dict.get(uuid))
+
+
 def status(cluster) -> list[dict[str, Any]]:
     """One dict per rank: rank, engine_id, host, pid, device, backend, state,
     process_group, gpu."""
@@ -327,7 +334,9 @@ def status(cluster) -> list[dict[str, Any]]:
     idle = [
         r.rank
         for r in cluster.ranks
-        if r.rank not in dead and queue.get(r.engine_id, {}).get("queue", 0) == 0
+        if r.rank not in dead
+        and queue.get(r.engine_id, {}).get("queue", 0) == 0
+        and not _answering(cluster.processes.client, r.engine_id)
     ]
     health: dict[int, Any] = {}
     if idle:

@@ -63,6 +63,8 @@ class Processes:
         self.pool = SparePool(self, config.spare_engines if self.spares_possible() else 0)
         #: the process the local engines are forked from (cluster/forks.py), if any
         self.forks = None
+        #: the notebook's calls' direct route to local engines (cluster/lane.py), if any
+        self.lane = None
 
     # ---- starting ---------------------------------------------------------------------
 
@@ -74,12 +76,7 @@ class Processes:
         self.reaper.remove_on_exit(self.profile_dir)
         launcher = self.launcher
         self.ipp = cluster = ipp_cluster(self.config, launcher, self.profile_dir, n)
-        if launcher.forks_engines:  # importing torch while the controller starts
-            self._start_fork_server()
-        else:  # a server started ahead for local engines serves no one now
-            from .forks import end_ahead
-
-            end_ahead()
+        start_fork_server(self)  # importing torch while the controller starts
         cluster.start_controller_sync()
         controller = self._record(cluster.controller, "controller")
         if controller is not None:
@@ -98,6 +95,10 @@ class Processes:
             if proc is not None:
                 self.reaper.watch(proc)
         self.client = client = cluster.connect_client_sync()
+        if self.config.direct_lane and self.config.loopback_only and not launcher.remote:
+            from .lane import Lane
+
+            self.lane = Lane(client, "127.0.0.1")
         deadline = time.monotonic() + self.config.start_timeout_s
         while len(client.ids) < n:
             launcher.check_starting(engine_set, launchers, len(client.ids), n)
@@ -118,16 +119,6 @@ class Processes:
         probes = dict(zip(self.engine_ids, self.view(self.engine_ids).apply_sync(rt_host.probe)))
         self.engine_ids = rank_order(probes)
         return [probes[e] for e in self.engine_ids]
-
-    def _start_fork_server(self) -> None:
-        from . import forks
-
-        env = {**os.environ, **engine_environment(self.config, self.launcher)}
-        self.forks = server = forks.start(self.config, env, self.profile_dir)
-        proc = Started.record(server.pid, "fork server", parent=os.getpid())
-        if proc is not None:
-            self.started.append(proc)
-            self.reaper.watch(proc)
 
     def _record(self, el, what: str) -> Started | None:
         """A launcher's process, if it is one this process started, or its fork server
@@ -179,7 +170,11 @@ class Processes:
         return view
 
     def rank_view(self, ranks: list[int]):
-        return self.view([self.engine_ids[r] for r in ranks])
+        """A non-blocking view on these ranks, its requests on the direct lane when every
+        one of them can take it."""
+        ids = [self.engine_ids[r] for r in ranks]
+        view = self.lane.view(ids, self.view) if self.lane is not None else None
+        return view if view is not None else self.view(ids)
 
     def local(self, rank: int) -> bool:
         """Whether the rank runs on this machine (its pid can be signalled here)."""
@@ -254,6 +249,8 @@ class Processes:
             ending.join()
         launchers = self.all_launchers()  # (stopping the cluster forgets them)
         exit_idle_ranks(self)
+        if self.lane is not None:
+            self.lane.close()
         if self.client is not None:
             try:
                 self.client.close()
@@ -371,6 +368,21 @@ def ipp_cluster(config: DistConfig, launcher: Launcher, profile_dir: str, n: int
         config=cfg,
         parent=None,
     )
+
+
+def start_fork_server(processes: Processes) -> None:
+    """The fork server local engines come from (``forks.py``), recorded and watched as the
+    cluster's own; for a launcher that does not fork, one started ahead is ended."""
+    from . import forks
+
+    if not processes.launcher.forks_engines:  # one started ahead serves no one now
+        return forks.end_ahead()
+    env = {**os.environ, **engine_environment(processes.config, processes.launcher)}
+    processes.forks = server = forks.start(processes.config, env, processes.profile_dir)
+    proc = Started.record(server.pid, "fork server", parent=os.getpid())
+    if proc is not None:
+        processes.started.append(proc)
+        processes.reaper.watch(proc)
 
 
 def fork_ahead(config: DistConfig):

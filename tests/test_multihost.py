@@ -375,6 +375,55 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
     assert not left, f"folders left on the hosts: {left}"
 
 
+def test_two_hosts_of_eight_ranks_each(hosts):
+    """2 hosts x 8 ranks (issue "Scale"), each engine a fresh Python started over ssh: the
+    ranks in host order, a collective over all 16, the doctor naming the one rank (on the
+    second host) that skipped a collective, and nothing left on the hosts."""
+    import statistics
+
+    import psutil
+    from conftest import until_verdict
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    a, b = HOSTS.values()
+    opts = list(hosts["ssh_opts"])
+    config = DistConfig(loopback_only=False, ssh={"ssh_args": opts, "scp_args": opts})
+    t0 = time.monotonic()
+    cluster = DistCluster(
+        launcher="ssh", ssh_hosts={f"root@{a}": 8, f"root@{b}": 8}, config=config
+    ).start()
+    started = time.monotonic() - t0
+    try:
+        assert [r.host for r in cluster.ranks] == ["node1"] * 8 + ["node2"] * 8
+        r = cluster.run("t = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\nfloat(t)")
+        assert set(r.values.values()) == {136.0}  # 1 + 2 + ... + 16
+        cells = []
+        for _ in range(20):
+            t1 = time.perf_counter()
+            cluster.run("pass")
+            cells.append(time.perf_counter() - t1)
+        diag, out, verdict_s, _ = until_verdict(
+            cluster, "t = torch.ones(1)\nif nd.rank != 11:\n    dist.all_reduce(t)\n", 3.0, 90
+        )
+        assert diag is not None, out[-3000:]
+        assert diag.kind == "conditional" and diag.culprits == [k for k in range(16) if k != 11]
+        assert "but rank 11 finished the cell without calling it" in diag.verdict, diag.verdict
+        r = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
+        assert set(r.values.values()) == {16.0}  # released, and the group rebuilt
+        print(
+            f"2 hosts x 8 ranks: started in {started:.1f} s, an empty cell "
+            f"{statistics.median(cells) * 1e3:.0f} ms, the verdict {verdict_s:.1f} s after "
+            "the cell began (hang-after 3 s)"
+        )
+        pids = [r.pid for r in cluster.ranks]
+    finally:
+        cluster.shutdown()
+    wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 30)
+    assert not [p for p in pids if psutil.pid_exists(p)], "engines left running on the hosts"
+
+
 def test_ssh_ranks_end_when_their_controller_dies(hosts):
     """A kernel that dies takes its controller with it (the reaper); the engines on the
     hosts, which no local pid reaches, must then end by themselves (heartbeat lost)."""

@@ -244,9 +244,10 @@ SCALE_SIZES = (2, 4, 8, 16, 32)
 
 
 def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
-    """Start, an empty cell (wall, and the kernel's CPU), and a gather of 1 MB from every
-    rank, at each size; every size's round runs beside one at 2 ranks (alternating which
-    starts first), so each ratio to 2 ranks is of pairs measured back to back."""
+    """Start, an empty cell (wall, and the kernel's CPU), a gather of 1 MB from every rank,
+    and the time to the doctor's verdict when one rank skips a collective, at each size;
+    every size's round runs beside one at 2 ranks (alternating which starts first), so each
+    ratio to 2 ranks is of pairs measured back to back."""
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
 
@@ -270,6 +271,9 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
                 r = c.run("pass", gather=["x"])
                 gather.append(time.perf_counter() - t0)
                 assert len(r.gathered["x"]) == n
+            odd = n // 3
+            skipped = f"t = torch.ones(1)\nif nd.rank != {odd}:\n    dist.all_reduce(t)\n"
+            verdict = time_to_verdict(c, skipped, f"rank {odd} finished the cell")
         finally:
             c.shutdown()
         return {
@@ -277,9 +281,10 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
             "cell_s": statistics.median(wall),
             "cell_cpu_s": statistics.median(cpu),
             "gather_1MB_each_s": statistics.median(gather),
+            "verdict_s": verdict,
         }
 
-    keys = ("start_s", "cell_s", "cell_cpu_s", "gather_1MB_each_s")
+    keys = ("start_s", "cell_s", "cell_cpu_s", "gather_1MB_each_s", "verdict_s")
     out: dict = {}
     for n in sizes[1:]:
         small: dict[str, list[float]] = {k: [] for k in keys}
@@ -752,32 +757,36 @@ class _Verdict(KeyboardInterrupt):
     """The user's Ctrl-C, pressed once the verdict shows."""
 
 
-def doctor_latency(cluster, reps: int) -> dict:
-    """From the start of a cell that hangs to the doctor's verdict, against hang-after (the
-    quiet time it waits for by design: 1.0 would be a verdict the instant it may give one).
-    Each hang is released with Ctrl-C, as a user would, and the ranks carry on."""
+def time_to_verdict(cluster, cell: str, names: str) -> float:
+    """Seconds from the start of ``cell`` (which hangs) to the doctor's verdict, which must
+    contain ``names``; the hang is then released with Ctrl-C, as a user would, and the
+    ranks carry on (checked)."""
     import io
 
-    took = []
-    for _ in range(reps):
-        seen: dict = {}
-        t0 = time.monotonic()
+    seen: dict = {}
+    t0 = time.monotonic()
 
-        def on_update(watch, seen=seen, t0=t0):
-            if "s" in seen:  # pressed once; the interrupt that follows polls here too
-                return
-            if watch.shown_verdict or time.monotonic() - t0 > 10 * HANG_AFTER_S:
-                seen["s"], seen["verdict"] = time.monotonic() - t0, watch.shown_verdict or ""
-                raise _Verdict()
+    def on_update(watch):
+        if "s" in seen:  # pressed once; the interrupt that follows polls here too
+            return
+        if watch.shown_verdict or time.monotonic() - t0 > 10 * HANG_AFTER_S:
+            seen["s"], seen["verdict"] = time.monotonic() - t0, watch.shown_verdict or ""
+            raise _Verdict()
 
-        try:
-            cluster.run(HANG_CELL, hang_after=HANG_AFTER_S, on_update=on_update, out=io.StringIO())
-        except KeyboardInterrupt:
-            pass
-        if "rank 0" not in seen.get("verdict", "").lower():  # it named the stuck rank
-            raise RuntimeError(f"no verdict naming rank 0: {seen.get('verdict')!r}")
-        took.append(seen["s"])
-        cluster.run("t = torch.ones(1)\ndist.all_reduce(t)").raise_for_errors()  # carried on
+    try:
+        cluster.run(cell, hang_after=HANG_AFTER_S, on_update=on_update, out=io.StringIO())
+    except KeyboardInterrupt:
+        pass
+    if names not in seen.get("verdict", "").lower():
+        raise RuntimeError(f"no verdict naming {names}: {seen.get('verdict')!r}")
+    cluster.run("t = torch.ones(1)\ndist.all_reduce(t)").raise_for_errors()  # carried on
+    return seen["s"]
+
+
+def doctor_latency(cluster, reps: int) -> dict:
+    """From the start of a cell that hangs to the doctor's verdict, against hang-after (the
+    quiet time it waits for by design: 1.0 would be a verdict the instant it may give one)."""
+    took = [time_to_verdict(cluster, HANG_CELL, "rank 0") for _ in range(reps)]
     return {"verdict_vs_hang_after": ratio(took, [HANG_AFTER_S] * len(took))}
 
 

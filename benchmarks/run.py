@@ -308,6 +308,11 @@ def main(argv=None) -> int:
             f"kernel CPU {1000 * g['cell_cpu_s']['median']:.1f} ms ({g['cell_cpu_s_vs_2']['pair_median']:.2f}x), "
             f"gather 1 MB each {1000 * g['gather_1MB_each_s']['median']:.0f} ms "
             f"({g['gather_1MB_each_s_vs_2']['pair_median']:.2f}x)"
+            + (
+                f", verdict {g['verdict_s']['median']:.1f} s ({g['verdict_s_vs_2']['pair_median']:.2f}x)"
+                if "verdict_s" in g
+                else ""
+            )
         )
     for n, g in results.get("growth", {}).items():
         print(

@@ -125,3 +125,63 @@ def test_rank_dying_during_a_cell_ends_the_cell():
         )
         pids = [r.pid for r in cluster.ranks]
     assert _wait_gone(pids, 5.0) == []
+
+
+def test_an_engine_whose_registration_notice_the_client_missed_still_joins(monkeypatch):
+    """ipyparallel's client learns of an engine from a notification, and misses the one sent
+    while it connects (seen under load: one of 16 engines never known). The start asks the
+    controller for its list: here the client drops the notice of engine 1, and the cluster
+    starts all the same, every rank answering."""
+    import ipyparallel as ipp
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    dropped = []
+    register = ipp.Client._register_engine
+
+    def lossy(self, msg):
+        if msg["content"]["id"] == 1 and not dropped:
+            dropped.append(msg["content"]["uuid"])
+            return
+        register(self, msg)
+
+    monkeypatch.setattr(ipp.Client, "_register_engine", lossy)
+    with DistCluster(n=3, config=DistConfig(spare_engines=0)) as c:
+        assert dropped, "the notice of engine 1 was never seen (so never dropped)"
+        assert sorted(c.processes.engine_ids) == [0, 1, 2]
+        assert dict(c.run("nd.rank").values) == {0: 0, 1: 1, 2: 2}
+
+
+def test_a_start_whose_engines_never_register_keeps_their_logs(monkeypatch):
+    """Engines the client never hears of (every notice lost, and the controller not asked):
+    the start fails after its timeout, and says where the engines' logs are kept, a copy
+    made before the cluster's folder and the engines' own logs are removed."""
+    import re
+    import shutil
+
+    import ipyparallel as ipp
+
+    from notebook_dist import DistCluster
+    from notebook_dist.cluster import processes
+    from notebook_dist.cluster.forks import end_ahead
+    from notebook_dist.config import DistConfig
+    from notebook_dist.errors import ClusterError
+
+    end_ahead()  # (one started ahead would have engines registered before the client asks)
+    monkeypatch.setattr(ipp.Client, "_register_engine", lambda self, msg: None)
+    monkeypatch.setattr(processes, "sync_registered", lambda client: float("inf"))
+    with pytest.raises(ClusterError) as got:
+        DistCluster(n=2, config=DistConfig(spare_engines=0, start_timeout_s=8)).start()
+    where = re.search(r"their logs are kept in (\S+)", str(got.value))
+    assert where and "only 0 of 2 engines registered" in str(got.value), str(got.value)
+    try:
+        logs = os.listdir(where.group(1))
+        engines = [name for name in logs if name.startswith("ipengine-")]
+        assert len(engines) == 2, logs
+        assert all(
+            "Completed registration" in open(os.path.join(where.group(1), name)).read()
+            for name in engines
+        )
+    finally:
+        shutil.rmtree(where.group(1), ignore_errors=True)

@@ -41,7 +41,7 @@ class Lane:
         self.refused: set[int] = set()  # engine ids served through the queue
         self.stream = self._on_io_loop(lambda: self._stream(socket))
 
-    def _on_io_loop(self, call):
+    def _on_io_loop(self, call, timeout: float = 10.0):
         """``call()`` run on the client's IO thread (the lane's socket lives there)."""
         done = threading.Event()
         out = []
@@ -53,7 +53,7 @@ class Lane:
                 done.set()
 
         self.client._io_loop.add_callback(run)
-        if not done.wait(10):
+        if not done.wait(timeout):
             raise TimeoutError("the ipyparallel client's IO loop did not answer")
         return out[0] if out else None
 
@@ -120,6 +120,6 @@ class Lane:
         stream, self.stream = self.stream, None
         if stream is not None:
             try:
-                self._on_io_loop(lambda: stream.close(linger=0))
-            except Exception:
+                self._on_io_loop(lambda: stream.close(linger=0), timeout=2.0)
+            except Exception:  # its loop is gone: closed from here
                 stream.socket.close(linger=0)

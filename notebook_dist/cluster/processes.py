@@ -100,12 +100,15 @@ class Processes:
 
             self.lane = Lane(client, "127.0.0.1")
         deadline = time.monotonic() + self.config.start_timeout_s
+        synced = time.monotonic()
         while len(client.ids) < n:
             launcher.check_starting(engine_set, launchers, len(client.ids), n)
+            if time.monotonic() - synced > 1.0:
+                synced = sync_registered(client)
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"only {len(client.ids)} of {n} engines registered within "
-                    f"{self.config.start_timeout_s:.0f} s; engine logs are in {self.profile_dir}/log"
+                    f"{self.config.start_timeout_s:.0f} s; their logs are kept in {keep_logs(self)}"
                 )
             time.sleep(0.02)
         self.engine_ids = sorted(client.ids)[:n]
@@ -368,6 +371,30 @@ def ipp_cluster(config: DistConfig, launcher: Launcher, profile_dir: str, n: int
         config=cfg,
         parent=None,
     )
+
+
+def sync_registered(client) -> float:
+    """Complete the client's list of engines from the controller's own. ipyparallel's client
+    learns of each engine from a notification, and misses the one sent while it connects
+    (its subscription is made after it asked for the engines registered so far): seen
+    under load, one of 16 engines registered at the controller and never at the client.
+    Returns when it asked."""
+    try:
+        reply = client._send(client._query_stream, "connection_request").result(timeout=5)
+    except Exception:  # the controller's own failure is found by the caller's checks
+        return time.monotonic()
+    engines = reply["content"].get("engines") or {}
+    if set(map(int, engines)) - set(client.ids):
+        client._io_loop.add_callback(client._update_engines, engines)  # its own thread's dicts
+    return time.monotonic()
+
+
+def keep_logs(processes: Processes) -> str:
+    """A copy of the cluster's logs as they are now, for a start that failed: stopping it
+    removes its folder, and ipyparallel removes each engine's log as the engine ends."""
+    kept = tempfile.mkdtemp(prefix="notebook_dist-failed-start-")
+    shutil.copytree(os.path.join(processes.profile_dir, "log"), kept, dirs_exist_ok=True)
+    return kept
 
 
 def start_fork_server(processes: Processes) -> None:

@@ -429,10 +429,10 @@ def test_mismatched_dtypes_name_the_op_and_line(cluster):
             header="%%distributed",
         )
     msg = str(info.value)
-    assert "was killed by SIGABRT in all_reduce at line 3." in msg
+    assert re.search(r"was killed by SIG(ABRT|SEGV|BUS) in all_reduce at line 3\.", msg), msg
     # what each rank passed: the aborted rank's record outlives it (tracker.persist)
     assert re.search(
-        r"Gloo aborted rank (\d) in all_reduce #1 at line 3, where the ranks passed: rank 0 "
+        r"(Gloo aborted rank (\d)|Rank (\d) died) in all_reduce #1 at line 3, where the ranks passed: rank 0 "
         r"\(4,\) float32; rank 1 \(4,\) float64\. Every rank must pass tensors of the same "
         r"shape and dtype to one collective \(%%distributed --check-collectives",
         msg,

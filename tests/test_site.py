@@ -132,7 +132,6 @@ def test_the_hang_catalogue_shows_each_verdict_as_printed(site):
         "the ranks ran different numbers of steps (uneven data per rank)",
         "Rank 1 is busy in Python",
         "rank 1 was killed by SIGKILL",
-        "was killed by SIGABRT in all_reduce at line 2",
         "where the ranks passed: rank 0 (4,) float32; rank 1 (5,) float32",
         "rank 0 broadcasts from src=0 and rank 1 from src=1",
         "The ranks wait in collectives of different process groups: rank 0 waits in all_reduce",
@@ -141,6 +140,8 @@ def test_the_hang_catalogue_shows_each_verdict_as_printed(site):
         "torch's collective timeout (4 s, %dist_init --timeout) ended all_reduce #1 at line 4 on rank 0",
     ):
         assert said in page, said
+    # Gloo aborts the rank the wrong size reaches, or the overrun memory kills it first
+    assert re.search(r"was killed by SIG(ABRT|SEGV|BUS) in all_reduce at line 2", page)
 
 
 def test_the_troubleshooting_page_shows_the_projects_own_messages(site):

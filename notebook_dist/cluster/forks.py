@@ -201,6 +201,7 @@ def start_ahead(config, env: dict[str, str]) -> ForkServer:
     global _AHEAD
     if _AHEAD is not None and not _AHEAD.gone:
         return _AHEAD
+    end_ahead()  # one that exited: its folder goes
     import atexit
 
     from ..signals import Started

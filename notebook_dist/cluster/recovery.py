@@ -160,7 +160,7 @@ def fault_report(cluster, rank: int) -> dict[str, Any]:
     (Python's faulthandler wrote every thread's stack to its fault file), and the record
     of the collective it was in (``record``: what it passed; the tracker keeps it in a
     file mapped into memory, which outlives the rank)."""
-    from ..runtime.tracker import COLLECTIVES, read_blackbox
+    from ..runtime.tracker import read_blackbox
 
     processes = cluster.processes
     host = processes.host_launcher(rank)
@@ -173,7 +173,21 @@ def fault_report(cluster, rank: int) -> dict[str, Any]:
     try:
         text = engines.read_on_host(host, processes.control_file(rank, "fault"))  # on its host
     except Exception:
-        return out
+        text = ""
+    _from_stacks(text, out)
+    rec = out.get("record")
+    if rec and "op" not in out:  # no stack written (a segfault can stop the writer): it
+        out["op"] = rec["op"]  # died inside the collective its record holds, still open
+        if rec.get("where"):
+            out["file"], out["line"] = rec["where"]
+    return out
+
+
+def _from_stacks(text: str, out: dict) -> None:
+    """The collective and the cell line of the first thread that shows one, from the stacks
+    Python's faulthandler wrote."""
+    from ..runtime.tracker import COLLECTIVES
+
     section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
     found = False  # the end of the first thread with a cell line or a collective in it
     for line in section.splitlines():
@@ -190,7 +204,6 @@ def fault_report(cluster, rank: int) -> dict[str, Any]:
         if filename.startswith("Cell In[") and "line" not in out:
             out["file"], out["line"] = filename, int(num)
             found = True
-    return out
 
 
 def restarted(cluster):

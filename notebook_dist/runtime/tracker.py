@@ -329,7 +329,11 @@ def _wrap_collective(op: str, fn):
             def before():
                 check(rec, bound.get("group"), t.device)
 
-        return _run(t, rec, fn, args, kwargs, history=True, before=before)
+        try:
+            return _run(t, rec, fn, args, kwargs, history=True, before=before)
+        finally:
+            if t.blackbox is not None:  # ended: a death from now on was not in it
+                t.blackbox[0] = 0
 
     tracked._notebook_dist_original = fn
     return tracked

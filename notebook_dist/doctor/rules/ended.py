@@ -7,6 +7,8 @@ from ..words import call_text, shape_text
 from .base import Diagnosis, Facts, make, registrar
 
 RULES: list = []
+#: the signals of a process that failed inside itself (not one killed from outside)
+FATAL = ("SIGABRT", "SIGSEGV", "SIGBUS")
 rule = registrar(RULES)
 
 
@@ -39,7 +41,14 @@ def dead(f: Facts) -> Diagnosis | None:
         how = f"Every rank of the cell has ended: {how}"
         then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells), or %dist_shutdown."
     hint = ""
-    aborted = [r for r in f.dead if "SIGABRT" in str(f.info[r].exit or "")]
+    # a fatal signal inside a collective: Gloo's abort, or the memory a mismatched receive
+    # overran (SIGSEGV, SIGBUS): what each rank passed is the likely cause
+    aborted = [
+        r
+        for r in f.dead
+        if any(s in str(f.info[r].exit or "") for s in FATAL)
+        and ("SIGABRT" in str(f.info[r].exit) or f.info[r].fault.get("record"))
+    ]
     if aborted:
         hint = abort_hint(f, aborted[0]) or (
             " Gloo aborts a rank when the tensors of one collective differ in shape or dtype across"
@@ -83,8 +92,10 @@ def abort_hint(f: Facts, dead: int) -> str:
 
     each = "; ".join(f"rank {r} {what(x)}" for r, x in sorted(passed.items()))
     unseen = "" if len(passed) > 1 else " (the others' arguments were not seen)"
+    how = "Gloo aborted rank" if "SIGABRT" in str(f.info[dead].exit) else "Rank"
+    ended = "" if how.startswith("Gloo") else " died"
     return (
-        f" Gloo aborted rank {dead} in {rec.get('op')} #{rec.get('seq')} at "
+        f" {how} {dead}{ended} in {rec.get('op')} #{rec.get('seq')} at "
         f"{call_text(rec, f.cell_file)}, where the ranks passed: {each}{unseen}. Every rank must "
         "pass tensors of the same shape and dtype to one collective (%%distributed "
         "--check-collectives compares them first, with every rank kept alive)."

@@ -170,7 +170,7 @@ def test_a_start_whose_engines_never_register_keeps_their_logs(monkeypatch):
 
     end_ahead()  # (one started ahead would have engines registered before the client asks)
     monkeypatch.setattr(ipp.Client, "_register_engine", lambda self, msg: None)
-    monkeypatch.setattr(processes, "sync_registered", lambda client: float("inf"))
+    monkeypatch.setattr(processes, "sync_registered", lambda client: None)
     with pytest.raises(ClusterError) as got:
         DistCluster(n=2, config=DistConfig(spare_engines=0, start_timeout_s=8)).start()
     where = re.search(r"their logs are kept in (\S+)", str(got.value))

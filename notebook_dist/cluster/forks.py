@@ -93,6 +93,10 @@ class ForkServer:
     def _event(self, pid: int) -> threading.Event:
         return self._ended.setdefault(pid, threading.Event())
 
+    def ended(self, pid: int) -> bool:
+        """Whether the server has said that its child ``pid`` ended (or the server is gone)."""
+        return self._event(pid).is_set()
+
     # ---- asking -----------------------------------------------------------------------
 
     def usable(self, timeout: float) -> bool:
@@ -172,13 +176,14 @@ class ForkServer:
 def start(config, env: dict[str, str], profile_dir: str) -> ForkServer:
     """The fork server of the cluster in ``profile_dir`` (its log beside the engines'):
     the one started ahead when it fits, else a new one."""
+    log_file = _log_file(profile_dir)
     server = take_ahead(config, env)
     if server is None:
-        server = ForkServer(config.python, env, _log_file(profile_dir), config.start_timeout_s)
+        server = ForkServer(config.python, env, log_file, config.start_timeout_s)
     else:  # its log joins the cluster's (the same file system: the open file follows)
-        os.replace(server.log_file, _log_file(profile_dir))
+        os.replace(server.log_file, log_file)
         shutil.rmtree(os.path.dirname(server.log_file), ignore_errors=True)
-        server.log_file = _log_file(profile_dir)
+        server.log_file = log_file
         server.timeout = config.start_timeout_s
     server.profile_dir = profile_dir
     _SERVERS[profile_dir] = server
@@ -261,8 +266,9 @@ class ForkedProcess:
     def is_running(self) -> bool:
         from ..signals import is_running
 
-        ended = self.server._event(self.pid).is_set()
-        return not ended and self.record is not None and is_running(self.record)
+        return (
+            not self.server.ended(self.pid) and self.record is not None and is_running(self.record)
+        )
 
     def send_signal(self, sig) -> None:
         from ..signals import send

@@ -100,11 +100,12 @@ class Processes:
 
             self.lane = Lane(client, "127.0.0.1")
         deadline = time.monotonic() + self.config.start_timeout_s
-        synced = time.monotonic()
+        next_sync = time.monotonic() + 1.0
         while len(client.ids) < n:
             launcher.check_starting(engine_set, launchers, len(client.ids), n)
-            if time.monotonic() - synced > 1.0:
-                synced = sync_registered(client)
+            if time.monotonic() > next_sync:
+                sync_registered(client)
+                next_sync = time.monotonic() + 1.0
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"only {len(client.ids)} of {n} engines registered within "
@@ -373,20 +374,18 @@ def ipp_cluster(config: DistConfig, launcher: Launcher, profile_dir: str, n: int
     )
 
 
-def sync_registered(client) -> float:
+def sync_registered(client) -> None:
     """Complete the client's list of engines from the controller's own. ipyparallel's client
     learns of each engine from a notification, and misses the one sent while it connects
     (its subscription is made after it asked for the engines registered so far): seen
-    under load, one of 16 engines registered at the controller and never at the client.
-    Returns when it asked."""
+    under load, one of 16 engines registered at the controller and never at the client."""
     try:
         reply = client._send(client._query_stream, "connection_request").result(timeout=5)
     except Exception:  # the controller's own failure is found by the caller's checks
-        return time.monotonic()
+        return
     engines = reply["content"].get("engines") or {}
     if set(map(int, engines)) - set(client.ids):
         client._io_loop.add_callback(client._update_engines, engines)  # its own thread's dicts
-    return time.monotonic()
 
 
 def keep_logs(processes: Processes) -> str:
@@ -404,7 +403,7 @@ def start_fork_server(processes: Processes) -> None:
 
     if not processes.launcher.forks_engines:  # one started ahead serves no one now
         return forks.end_ahead()
-    env = {**os.environ, **engine_environment(processes.config, processes.launcher)}
+    env = fork_environment(processes.config, processes.launcher)
     processes.forks = server = forks.start(processes.config, env, processes.profile_dir)
     proc = Started.record(server.pid, "fork server", parent=os.getpid())
     if proc is not None:
@@ -417,7 +416,12 @@ def fork_ahead(config: DistConfig):
     first cluster of the same environment then does not wait for torch's import."""
     from .forks import start_ahead
 
-    return start_ahead(config, {**os.environ, **engine_environment(config, Launcher(config))})
+    return start_ahead(config, fork_environment(config, Launcher(config)))
+
+
+def fork_environment(config: DistConfig, launcher: Launcher) -> dict[str, str]:
+    """The whole environment a fork server starts with: the kernel's and the engines'."""
+    return {**os.environ, **engine_environment(config, launcher)}
 
 
 def engine_environment(config: DistConfig, launcher: Launcher) -> dict[str, str]:

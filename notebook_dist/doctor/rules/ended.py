@@ -41,14 +41,7 @@ def dead(f: Facts) -> Diagnosis | None:
         how = f"Every rank of the cell has ended: {how}"
         then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells), or %dist_shutdown."
     hint = ""
-    # a fatal signal inside a collective: Gloo's abort, or the memory a mismatched receive
-    # overran (SIGSEGV, SIGBUS): what each rank passed is the likely cause
-    aborted = [
-        r
-        for r in f.dead
-        if any(s in str(f.info[r].exit or "") for s in FATAL)
-        and ("SIGABRT" in str(f.info[r].exit) or f.info[r].fault.get("record"))
-    ]
+    aborted = [r for r in f.dead if _failed_inside(f.info[r])]
     if aborted:
         hint = abort_hint(f, aborted[0]) or (
             " Gloo aborts a rank when the tensors of one collective differ in shape or dtype across"
@@ -69,6 +62,13 @@ def dead(f: Facts) -> Diagnosis | None:
         f.dead,
         line,
     )
+
+
+def _failed_inside(info) -> bool:
+    """Gloo's abort, or a fatal signal inside a collective (the memory a mismatched receive
+    overran: SIGSEGV, SIGBUS): what each rank passed is the likely cause."""
+    exit_ = str(info.exit or "")
+    return "SIGABRT" in exit_ or (any(s in exit_ for s in FATAL) and bool(info.fault.get("record")))
 
 
 def abort_hint(f: Facts, dead: int) -> str:
@@ -92,10 +92,11 @@ def abort_hint(f: Facts, dead: int) -> str:
 
     each = "; ".join(f"rank {r} {what(x)}" for r, x in sorted(passed.items()))
     unseen = "" if len(passed) > 1 else " (the others' arguments were not seen)"
-    how = "Gloo aborted rank" if "SIGABRT" in str(f.info[dead].exit) else "Rank"
-    ended = "" if how.startswith("Gloo") else " died"
+    who = (
+        f"Gloo aborted rank {dead}" if "SIGABRT" in str(f.info[dead].exit) else f"Rank {dead} died"
+    )
     return (
-        f" {how} {dead}{ended} in {rec.get('op')} #{rec.get('seq')} at "
+        f" {who} in {rec.get('op')} #{rec.get('seq')} at "
         f"{call_text(rec, f.cell_file)}, where the ranks passed: {each}{unseen}. Every rank must "
         "pass tensors of the same shape and dtype to one collective (%%distributed "
         "--check-collectives compares them first, with every rank kept alive)."

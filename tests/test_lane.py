@@ -80,10 +80,9 @@ def test_a_rank_that_dies_with_a_call_outstanding_fails_the_call():
     with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
         c.run("pass")
         assert c.processes.lane.ready
-        t0 = time.monotonic()
+        # (a call left hanging would end at its timeout, "not ready", and fail the match)
         with pytest.raises(ClusterError, match="died"):
             c.apply(die_on_one, timeout=60)
-        assert time.monotonic() - t0 < 30
 
 
 def test_messages_not_signed_with_the_clusters_key_are_dropped():

@@ -584,6 +584,32 @@ def test_a_release_asked_for_a_cell_that_ended_closes_nothing(cluster):
     assert_recovered(cluster)
 
 
+def test_a_ctrl_c_in_the_handling_of_a_cells_error_still_ends_the_cell(cluster):
+    """A SIGINT that waited while a rank was blocked in Gloo is raised as the collective
+    returns, inside the clause that records its error. The cell still ends on the rank, so
+    the release asked for it, arriving after the group was rebuilt, closes nothing (seen:
+    the rebuilt group's connections shut by a late release, the next cell broken)."""
+    from notebook_dist.runtime.recover import release_cell
+
+    cell = (
+        "class Interrupted(Exception):\n    def __str__(self):\n        raise KeyboardInterrupt\n"
+        "raise Interrupted()"
+    )
+    r = cluster.run(cell)
+    assert set(r.errors) == {0, 1}
+    ended = cluster.last_watch.token
+    made: dict = {"__name__": "__main__"}  # (pickled by value: the ranks cannot import tests)
+    exec(
+        "def cell_state():\n    from notebook_dist.runtime.state import STATE\n"
+        "    return STATE.cell_state\n",
+        made,
+    )
+    states = dict(cluster.apply(made["cell_state"]))
+    assert states == {0: "error", 1: "error"}, states
+    assert dict(cluster.apply(release_cell, ended)) == {0: None, 1: None}
+    assert_recovered(cluster)
+
+
 @pytest.mark.parametrize(
     "call, said",
     [

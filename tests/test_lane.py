@@ -87,12 +87,15 @@ def test_a_rank_that_dies_with_a_call_outstanding_fails_the_call():
 
 def test_messages_not_signed_with_the_clusters_key_are_dropped():
     """A process that connects to the lane and says hello, or sends a reply, under a key
-    that is not the cluster's is ignored; the cluster goes on."""
+    that is not the cluster's is ignored, on either route; the cluster goes on."""
+    import pickle
+
     import zmq
     from jupyter_client.session import Session
 
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
+    from notebook_dist.runtime.lane import EXPRESS, HELLO
 
     with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
         lane = c.processes.lane
@@ -100,17 +103,30 @@ def test_messages_not_signed_with_the_clusters_key_are_dropped():
         sock.linger = 0
         sock.identity = b"intruder"
         sock.connect(lane.url)
+        xsock = zmq.Context.instance().socket(zmq.DEALER)
+        xsock.linger = 0
+        xsock.identity = b"intruder"
         try:
             forged = Session(key=b"not the cluster's key")
             forged.send(sock, "lane_hello", {"engine": "intruder"})
             forged.send(sock, "apply_reply", {"status": "ok"})
             sock.send_multipart([b"<IDS|MSG>", b"", b"{}", b"{}", b"{}", b"{}"])
+            # and on the express route: a hello, and a reply to a call in flight
+            xsock.connect(lane.express_url)
+            me = b"intruder"
+            xsock.send_multipart([HELLO, forged.sign([me]), me])
+            time.sleep(0.5)
+            head = pickle.dumps((next(iter(lane.pending), "none"), "ok", False, b"p"))
+            body = pickle.dumps({0: "forged"})
+            xsock.send_multipart([EXPRESS, forged.sign([head, body]), head, body])
             time.sleep(0.5)
             assert "intruder" not in lane.ready
             r = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
             assert dict(r.values) == {0: 2.0, 1: 2.0}
+            assert "intruder" not in lane.express_ready
         finally:
             sock.close()
+            xsock.close()
 
 
 def test_an_engine_that_cannot_join_the_lane_is_served_through_the_queue():
@@ -128,3 +144,107 @@ def test_an_engine_that_cannot_join_the_lane_is_served_through_the_queue():
         assert _completed(c) - before == 4  # the attempt to join, then the cell, on each
         assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
         assert _completed(c) - before == 6
+
+
+def test_a_cell_takes_the_express_route_and_its_output_is_whole():
+    """Cells go by the express route (nothing through the controller's queue, nothing left
+    pending or in the client's records afterwards); a rank's output, on both streams, is
+    all in when the cell ends, and a cell that wrote nothing still returns every rank's
+    value."""
+    import io
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
+        c.run("pass")
+        lane, client = c.processes.lane, c.processes.client
+        before, records = _completed(c), set(client.metadata)
+        cell = (
+            "import sys\nfor i in range(300):\n    print('line', i, nd.rank)\n"
+            "print('last', nd.rank, file=sys.stderr)\nnd.rank"
+        )
+        for _ in range(5):
+            out, err = io.StringIO(), io.StringIO()
+            r = c.run(cell, out=out, err=err)
+            lines = out.getvalue().splitlines()
+            for rank in (0, 1):
+                assert [x for x in lines if x.endswith(f"line 299 {rank}")], lines[-5:]
+                assert sum(f"line {i} {rank}" in x for x in lines for i in (0, 150, 299)) == 3
+            assert len(lines) == 600
+            assert sorted(err.getvalue().splitlines()) == ["[rank 0] last 0", "[rank 1] last 1"]
+            assert dict(r.values) == {0: 0, 1: 1}
+            assert dict(c.run("nd.rank * 10").values) == {0: 0, 1: 10}
+        assert _completed(c) - before == 0  # not one request through the queue
+        assert not lane.pending
+        assert set(client.metadata) <= records  # each cell's records were dropped
+
+
+def test_an_express_request_not_signed_with_the_clusters_key_is_not_run(tmp_path):
+    """The rank runs an express request only under the cluster's key: the same request,
+    signed with another key, does nothing (and signed right, it runs)."""
+    import os
+    import pickle
+
+    from jupyter_client.session import Session
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+    from notebook_dist.runtime.lane import EXPRESS
+
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
+        c.run("pass")
+        lane = c.processes.lane
+        engine = lane._uuid(c.processes.engine_ids[0])
+        session = c.processes.client.session
+
+        def request(path, signer):
+            head = pickle.dumps(("forged", session.session, session.username))
+            body = pickle.dumps((os.makedirs, (str(path),)))
+            with lane._xlock:
+                lane._express.send_multipart(
+                    [engine.encode(), EXPRESS, signer.sign([head, body]), head, body]
+                )
+
+        request(tmp_path / "forged", Session(key=b"not the cluster's key"))
+        request(tmp_path / "signed", session)
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "signed").exists() and time.monotonic() < deadline:
+            lane.pump(0.05)
+        assert (tmp_path / "signed").is_dir()
+        assert not (tmp_path / "forged").exists()
+        assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
+
+
+LANE_CONNECTIONS = """
+def lane_connections():
+    from notebook_dist.runtime import recover
+    from notebook_dist.runtime.state import STATE
+
+    ports = STATE.extras.get("lane_ports", set())
+    tcp, fds = recover._tcp_table(), recover._socket_inodes()
+    to_lane = {fd for inode, fd in fds.items() if inode in tcp and tcp[inode][1] in ports}
+    return {"to_lane": len(to_lane), "released": len(to_lane & set(recover.gloo_socket_fds()))}
+"""
+
+
+def test_a_release_leaves_the_lane_alone():
+    """A release shuts down the rank's Gloo connections, never its connections to the lane
+    (made after the group, so not among the sockets it had before): the cell after a
+    release goes by the lane at once."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    made: dict = {"__name__": "__main__"}  # (pickled by value: the ranks cannot import tests)
+    exec(LANE_CONNECTIONS, made)  # on a rank: its connections to the lane, and how many of
+    # them a release would shut down
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
+        c.run("pass")
+        seen = dict(c.apply(made["lane_connections"]))
+        assert all(v["to_lane"] == 2 and v["released"] == 0 for v in seen.values()), seen
+        r = c.run("t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)")
+        assert r.released == [0] and set(r.errors) == {1}
+        assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
+        uuids = {c.processes.client._engines[e] for e in c.processes.engine_ids}
+        assert uuids <= c.processes.lane.express_ready  # (an engine not reached leaves it)
+        assert dict(c.apply(made["lane_connections"])) == seen

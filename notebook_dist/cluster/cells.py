@@ -102,12 +102,10 @@ def run(
     t0 = time.perf_counter()
     token = uuid.uuid4().hex
     check = cluster.config.check_collectives if check_collectives is None else check_collectives
-    ar = cluster.processes.rank_view(selected).apply_async(
-        rt_cell.run_cell_request,
-        cell_request(
-            prepared, gather, token, cluster.shm_dir, how_profiled, check, argv, post_mortem
-        ),
+    request = cell_request(
+        prepared, gather, token, cluster.shm_dir, how_profiled, check, argv, post_mortem
     )
+    ar = _send(cluster, selected, rt_cell.run_cell_request, request)
     watch = cluster.last_watch = CellWatch(
         cluster,
         ar,
@@ -133,6 +131,18 @@ def run(
     if not result.errors and not watch.released and len(selected) == cluster.world_size:
         cluster.history.append(prepared)
     return result
+
+
+def _send(cluster, selected: list[int], func, *args):
+    """``func(*args)`` on the ranks by the lane's express route when every one of them can
+    take it, else as any other call; what the cell's watch reads."""
+    processes = cluster.processes
+    if processes.lane is not None:
+        ids = [processes.engine_ids[r] for r in selected]
+        ar = processes.lane.express(ids, processes.view, func, *args)
+        if ar is not None:
+            return ar
+    return processes.rank_view(selected).apply_async(func, *args)
 
 
 #: the import paths the kernel had when notebook_dist was imported: the notebook's own
@@ -310,11 +320,14 @@ def clock_offsets(cluster, ranks: list[int], samples: int = 3) -> dict[int, int]
     return {r: 0 if where[r] == here else best[where[r]][1] for r in ranks}
 
 
-def _answering(client, engine_id: int) -> bool:
+def _answering(processes, engine_id: int) -> bool:
     """Whether a request of ours to this engine waits for its reply (through the queue or
     the lane: the controller counts only what passed through its queue)."""
-    uuid = client._engines.get(engine_id)
-    return bool(uuid and client._outstanding_dict.get(uuid))
+    uuid = processes.client._engines.get(engine_id)
+    lane = processes.lane
+    return bool(uuid) and bool(
+        processes.client._outstanding_dict.get(uuid) or (lane and lane.outstanding(uuid))
+    )
 
 
 def status(cluster) -> list[dict[str, Any]]:
@@ -336,7 +349,7 @@ def status(cluster) -> list[dict[str, Any]]:
         for r in cluster.ranks
         if r.rank not in dead
         and queue.get(r.engine_id, {}).get("queue", 0) == 0
-        and not _answering(cluster.processes.client, r.engine_id)
+        and not _answering(cluster.processes, r.engine_id)
     ]
     health: dict[int, Any] = {}
     if idle:

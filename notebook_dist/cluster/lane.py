@@ -11,14 +11,27 @@ the usual IOPub route, an engine that dies with a request outstanding failing it
 ``EngineError``. The engines, their registration, heartbeat, stop and launchers stay
 ipyparallel's.
 
+Beside it, the **express route** carries the cells (:meth:`Lane.express`): a ROUTER socket
+of its own that the thread waiting for the replies reads itself, so a cell's request and
+its replies never pass through another thread of the notebook. A request is one pickled
+call by name, signed, the same bytes for every rank; a reply is the rank's packed frames
+and whether it wrote anything, so the notebook waits for a rank's 'idle' only after output
+(``runtime/lane.py`` says what the rank does). The output itself, the agents' snapshots and
+the 'idle' still come on ipyparallel's IOPub, into the client's metadata for the request,
+as for any request; :class:`~notebook_dist.cluster.express.ExpressResult` is what the
+watch reads.
+
 An engine joins the lane the first time it is addressed (a call through the queue, then its
-hello on the lane); one that cannot is served through the queue from then on.
+hello on each route); one that cannot is served through the queue from then on.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
+import time
+import uuid
 
 log = logging.getLogger("notebook_dist")
 
@@ -40,6 +53,15 @@ class Lane:
         self.ready: set[str] = set()  # engine uuids that said hello
         self.refused: set[int] = set()  # engine ids served through the queue
         self.stream = self._on_io_loop(lambda: self._stream(socket))
+        # the express route: used only under its lock, by the thread that sends or waits
+        self._xlock = threading.RLock()
+        xs = client._context.socket(zmq.ROUTER)
+        xs.linger = 0
+        xs.router_mandatory = 1  # a request to an engine not connected fails at once
+        self.express_url = f"tcp://{ip}:{xs.bind_to_random_port(f'tcp://{ip}')}"
+        self._express = xs
+        self.express_ready: set[str] = set()  # engine uuids that said hello on it
+        self.pending: dict[str, object] = {}  # msg_id -> its express Reply
 
     def _on_io_loop(self, call, timeout: float = 10.0):
         """``call()`` run on the client's IO thread (the lane's socket lives there)."""
@@ -82,6 +104,95 @@ class Lane:
         elif kind == "apply_reply":
             self.client._queue_handlers[kind](msg)
 
+    # ---- the express route ---------------------------------------------------------
+
+    def express(self, engine_ids: list[int], queue_view, func, *args):
+        """``func(*args)`` on each engine by the express route, or None when one of them
+        cannot take it. ``func`` is one of notebook_dist's own functions (sent by name),
+        ``args`` plain data. Returns an :class:`~.express.ExpressResult`."""
+        from ..runtime.lane import EXPRESS, signature
+        from .express import ExpressError, ExpressResult
+
+        if any(e in self.refused for e in engine_ids):
+            return None
+        missing = [e for e in engine_ids if self._uuid(e) not in self.express_ready]
+        if missing and not self._join(missing, queue_view):
+            return None
+        engines = [self._uuid(e) for e in engine_ids]
+        base = uuid.uuid4().hex
+        msg_ids = [f"{base}_{i}" for i in range(len(engines))]
+        body = pickle.dumps((func, args), protocol=5)
+        session = self.client.session
+        result = ExpressResult(self, msg_ids, engines)
+        with self._xlock:
+            for engine, msg_id, reply in zip(engines, msg_ids, result._children):
+                head = pickle.dumps((msg_id, session.session, session.username))
+                self.pending[msg_id] = reply
+                try:
+                    self._express.send_multipart(
+                        [engine.encode(), EXPRESS, signature(session, [head, body]), head, body]
+                    )
+                except Exception as exc:  # zmq: the engine is not connected (it died)
+                    self.pending.pop(msg_id, None)
+                    self.express_ready.discard(engine)
+                    reply.finish(error=ExpressError("EngineError", f"not reachable: {exc}"))
+        return result
+
+    def pump(self, timeout: float) -> None:
+        """Read the express route: wait up to ``timeout`` seconds for something, then take
+        all that has come (replies to any waiter, hellos)."""
+        import zmq
+
+        if not (
+            self._xlock.acquire(timeout=timeout) if timeout > 0 else self._xlock.acquire(False)
+        ):
+            return
+        try:
+            sock = self._express
+            if sock is None or not sock.poll(int(timeout * 1000)):
+                return
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._take(frames)
+        finally:
+            self._xlock.release()
+
+    def _take(self, frames: list) -> None:
+        """One message on the express route: a rank's hello, or a reply, checked against
+        the cluster's key (anything else is dropped)."""
+        from ..runtime.lane import EXPRESS, HELLO, verified
+        from .express import ExpressError
+
+        if len(frames) < 4:
+            return
+        kind, parts = frames[1].bytes, [f.buffer for f in frames[3:]]
+        if kind not in (EXPRESS, HELLO) or not verified(
+            self.client.session, frames[2].bytes, parts
+        ):
+            log.debug("an invalid message on the express route")
+            return
+        if kind == HELLO:
+            self.express_ready.add(bytes(parts[0]).decode())
+            return
+        msg_id, status, wrote, how = pickle.loads(parts[0])
+        reply = self.pending.pop(msg_id, None)
+        if reply is None:  # a call already given up on
+            return
+        value = list(parts[1:]) if how == b"f" else pickle.loads(parts[1])
+        if status == "ok":
+            reply.finish(value, wrote=wrote)
+        else:
+            reply.finish(error=ExpressError(**value), wrote=wrote)
+
+    def outstanding(self, engine: str) -> bool:
+        """Whether an express call to this engine (uuid) waits for its reply."""
+        return any(r.engine == engine for r in list(self.pending.values()))
+
+    # ---- the ipyparallel route -------------------------------------------------------
+
     def view(self, engine_ids: list[int], queue_view):
         """A DirectView on ``engine_ids`` whose requests take the lane, or None when one of
         them cannot (``queue_view(ids)``: a view through the queue, to ask them to join)."""
@@ -103,20 +214,27 @@ class Lane:
         from ..runtime import lane as rt_lane
 
         try:
-            queue_view(engine_ids).apply_sync(rt_lane.connect, self.url)
+            queue_view(engine_ids).apply_sync(rt_lane.connect, self.url, self.express_url)
         except Exception as exc:
             log.debug("engines %s could not join the lane: %s", engine_ids, exc)
             self.refused.update(engine_ids)
             return False
         uuids = {self._uuid(e) for e in engine_ids}
+        deadline = time.monotonic() + self.HELLO_S
         with self._said:
-            joined = self._said.wait_for(lambda: uuids <= self.ready, self.HELLO_S)
-        if not joined:
-            self.refused.update(e for e in engine_ids if self._uuid(e) not in self.ready)
-        return joined
+            self._said.wait_for(lambda: uuids <= self.ready, self.HELLO_S)
+        while not uuids <= self.express_ready and time.monotonic() < deadline:
+            self.pump(min(0.05, max(0.0, deadline - time.monotonic())))
+        joined = [e for e in engine_ids if {self._uuid(e)} <= self.ready & self.express_ready]
+        self.refused.update(e for e in engine_ids if e not in joined)
+        return len(joined) == len(engine_ids)
 
     def close(self) -> None:
         """Before the client closes (its context would wait for an open socket)."""
+        with self._xlock:
+            express, self._express = self._express, None
+            if express is not None:
+                express.close(linger=0)
         stream, self.stream = self.stream, None
         if stream is not None:
             try:

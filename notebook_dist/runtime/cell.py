@@ -91,19 +91,27 @@ def run_cell(
     sys.argv = [filename, *(argv or ())]
     result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
     ran = False
-    while True:
-        try:
-            if not ran:
-                ran = True
-                _execute(code, filename, first_line, want_value, result, prof, post_mortem)
-            end_cell(result["status"])
-            break
-        except CollectiveReleased as exc:
-            # a release that landed after the user's code, before the cell ended: the
-            # cell's own outcome stands (the notebook rebuilds the group it released),
-            # unless it landed while that outcome was being written
-            if result["status"] == "error" and "error" not in result:
-                _record_error(exc, filename, result)
+    try:
+        while True:
+            try:
+                if not ran:
+                    ran = True
+                    _execute(code, filename, first_line, want_value, result, prof, post_mortem)
+                end_cell(result["status"])
+                break
+            except CollectiveReleased as exc:
+                # a release that landed after the user's code, before the cell ended: the
+                # cell's own outcome stands (the notebook rebuilds the group it released),
+                # unless it landed while that outcome was being written
+                if result["status"] == "error" and "error" not in result:
+                    _record_error(exc, filename, result)
+    finally:
+        if STATE.cell_state == "running":
+            # a Ctrl-C that landed in our own handling of the cell's end (a SIGINT that
+            # waited while the rank was blocked in Gloo is raised as the collective returns,
+            # inside the except clause that records its error) ends the cell all the same: a
+            # release asked for it, coming late, must never close the group rebuilt after it
+            end_cell("error")
     from .group import note_env_changes
 
     note_env_changes()

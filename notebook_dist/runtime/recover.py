@@ -6,7 +6,7 @@ thread do not unblock it. Shutting down the rank's own Gloo pair sockets does: t
 blocked call raises ``RuntimeError: ... Connection closed by peer`` at once, on this rank
 and on the peers it was waiting with. The rendezvous store's connection and
 ipyparallel's sockets are left alone (sockets that existed before the process group
-was created, or that talk to MASTER_PORT). Then every rank calls :func:`reinit`.
+was created, or that talk to MASTER_PORT), as is the notebook's lane (its ports). Then every rank calls :func:`reinit`.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ def gloo_socket_fds() -> list[int]:
             continue
         if master_port in (local_port, remote_port):
             continue  # the rendezvous store
+        if remote_port in STATE.extras.get("lane_ports", ()):
+            continue  # the notebook's lane to this rank (runtime/lane.py)
         fds.append(fd)
     return fds
 

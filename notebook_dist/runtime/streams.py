@@ -17,6 +17,31 @@ import linecache
 import sys
 import threading
 
+#: how many writes the rank's stdout and stderr have taken (counted by keep_in_order)
+_WRITES = [0]
+
+
+def written() -> int:
+    """A count that moves with every write to stdout or stderr."""
+    return _WRITES[0]
+
+
+def holds(stream) -> bool:
+    """Whether ipykernel's ``stream`` holds output not yet sent (True for another kind of
+    stream: it is flushed to be sure)."""
+    buffers = getattr(stream, "_buffers", None)
+    if buffers is None:
+        return True
+    return bool(buffers) or bool(getattr(stream, "_flush_pending", False))
+
+
+def flush_written(before: int) -> None:
+    """Send what was written since :func:`written` was ``before``, or is still held (a
+    flush waits for ipykernel's IO thread: skipped when there is nothing to send)."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and (_WRITES[0] != before or holds(stream)):
+            stream.flush()
+
 
 def keep_in_order() -> None:
     """Each write to stdout or stderr first sends what the other stream holds (only when
@@ -35,6 +60,7 @@ def keep_in_order() -> None:
         def ordered_write(string):
             with lock:
                 switched, last[0] = last[0] is not stream, stream
+                _WRITES[0] += 1
             if switched:
                 other.flush()  # what the other stream holds goes first
             return write(string)
@@ -95,7 +121,8 @@ def drain(timeout: float = 5.0) -> None:
     flushed."""
     for stream in (sys.stdout, sys.stderr):
         _drain_fd(stream, timeout)
-        stream.flush()
+        if holds(stream):
+            stream.flush()
 
 
 def _drain_fd(stream, timeout: float) -> None:

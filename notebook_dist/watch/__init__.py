@@ -154,6 +154,7 @@ class CellWatch:
                     self.outcome = aftermath.after_broken_group(self) or self.outcome
         finally:
             self.final = self.verdicts.final(bool(self.released or self.interrupted), self.outcome)
+            getattr(self.ar, "forget", lambda: None)()  # (what an express call kept)
 
     def _last_output(self) -> None:
         """Every rank's output arrives before the cell ends (its iopub 'idle'; never for

@@ -1,0 +1,111 @@
+"""What the notebook holds for one express call on the lane (``cluster/lane.py``): each
+rank's reply, its output as ipyparallel gathers it, and whether that output is complete.
+
+It answers the few questions the cell's watch asks of an ipyparallel ``AsyncResult``
+(``_metadata``, ``_children``, ``wait``, ``wait_for_output``), without the threads,
+futures and callbacks an ``AsyncResult`` makes for each message: the thread that waits
+reads the replies itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class ExpressError(Exception):
+    """A rank could not run an express call, or could not send back what it returned."""
+
+    def __init__(self, ename: str, evalue: str, traceback: str = ""):
+        super().__init__(f"{ename}: {evalue}")
+        self.ename, self.evalue, self.traceback = ename, evalue, traceback or f"{ename}: {evalue}"
+
+
+class Reply:
+    """One rank's reply, as a finished future: ``done()``, ``result()``."""
+
+    __slots__ = ("msg_id", "engine", "wrote", "_done", "_value", "_error")
+
+    def __init__(self, msg_id: str, engine: str):
+        self.msg_id, self.engine = msg_id, engine
+        self.wrote = True  # until the reply says otherwise: its output may still come
+        self._done = False
+        self._value = self._error = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def finish(self, value=None, error: BaseException | None = None, wrote: bool = True):
+        self._value, self._error, self.wrote = value, error, wrote
+        self._done = True
+
+
+class OutputDone:
+    """Set by ipyparallel's client when the rank's 'idle' arrives (its output is all in):
+    the two methods its IOPub handler calls on an output future."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self):
+        self._event = threading.Event()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def set_result(self, _value) -> None:
+        self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+
+class ExpressResult:
+    """The ranks' replies to one express call, in the order of the engines asked."""
+
+    def __init__(self, lane, msg_ids: list[str], engines: list[str]):
+        self._lane = lane
+        self.msg_ids = msg_ids
+        client = lane.client
+        self._metadata = [client.metadata[m] for m in msg_ids]
+        self._children = [Reply(m, e) for m, e in zip(msg_ids, engines)]
+        self._outputs = [OutputDone() for _ in msg_ids]
+        for m, out in zip(msg_ids, self._outputs):
+            client._output_futures[m] = out
+
+    def ready(self) -> bool:
+        return all(r.done() for r in self._children)
+
+    def wait(self, timeout: float | None = -1) -> bool:
+        """Wait until every reply is in, or ``timeout`` seconds (-1 or None: no limit)."""
+        forever = timeout is None or timeout < 0
+        deadline = time.monotonic() + (0 if forever else timeout)
+        while not self.ready():
+            left = 0.05 if forever else deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._lane.pump(min(left, 0.05))
+        return self.ready()
+
+    def wait_for_output(self, timeout: float | None = -1) -> bool:
+        """Wait until the output of every rank that wrote any is in, or ``timeout``."""
+        deadline = time.monotonic() + (1e9 if timeout is None or timeout < 0 else timeout)
+        complete = True
+        for reply, out in zip(self._children, self._outputs):
+            if reply.done() and not reply.wrote:
+                continue
+            complete = out.wait(max(0.0, deadline - time.monotonic())) and complete
+        return complete
+
+    def forget(self) -> None:
+        """The call is over: what the client and the lane keep for it is dropped (a reply
+        that comes later is ignored)."""
+        client = self._lane.client
+        for reply in self._children:
+            self._lane.pending.pop(reply.msg_id, None)
+            client._output_futures.pop(reply.msg_id, None)
+            client.metadata.pop(reply.msg_id, None)

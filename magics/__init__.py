@@ -7,6 +7,9 @@ from __future__ import annotations
 
 
 def load_ipython_extension(ipython) -> None:
+    from notebook_dist.session import SESSION
+
+    SESSION.ahead()  # first: torch is imported for the ranks while the rest loads
     from .debugging import DebugMagics
     from .magics import DistMagics
     from .performance import PerformanceMagics
@@ -19,9 +22,6 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(DebugMagics(ipython))
     ipython.register_magics(PerformanceMagics(ipython))
     ipython._notebook_dist_magics = magics
-    from notebook_dist.session import SESSION
-
-    SESSION.ahead()  # torch is imported for the ranks while the user reads on
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -100,7 +100,7 @@ class OutputStreamer:
     def _grown(self, rank: int, md: dict) -> list[tuple[str, int]]:
         """Which stream grew, in the order the rank's messages came, each with where its
         complete lines end then. ipyparallel keeps one string per stream; the order
-        between the two is kept by :class:`_InOrder` (else stdout's lines come first)."""
+        between the two is kept by :func:`in_order` (else stdout's lines come first)."""
         order = in_order(md)
         if order is None:
             return [(name, (md.get(name) or "").rfind("\n") + 1) for name in STREAMS]
@@ -284,21 +284,24 @@ def _count_lines(path: str) -> int:
     return n
 
 
-try:
-    from ipyparallel.client.client import Metadata as _Metadata
-except ImportError:  # pragma: no cover - ipyparallel is a dependency
-    _Metadata = None
+_IN_ORDER: list = []  # ipyparallel's Metadata and its subclass, made on first use
 
-if _Metadata is not None:
 
-    class _InOrder(_Metadata):
-        """ipyparallel's metadata of one message that also notes, as each stream
-        message lands, which stream grew and where its complete lines then end."""
+def _in_order_classes() -> tuple[type, type]:
+    """(ipyparallel's Metadata, a subclass that also notes, as each stream message lands,
+    which stream grew and where its complete lines then end). Made when first needed, so
+    importing notebook_dist does not import ipyparallel's client."""
+    if not _IN_ORDER:
+        from ipyparallel.client.client import Metadata
 
-        def __setitem__(self, key, value):
-            super().__setitem__(key, value)
-            if key in STREAMS:
-                self.__dict__["_notebook_dist_order"].append((key, value.rfind("\n") + 1))
+        class InOrder(Metadata):
+            def __setitem__(self, key, value):
+                super().__setitem__(key, value)
+                if key in STREAMS:
+                    self.__dict__["_notebook_dist_order"].append((key, value.rfind("\n") + 1))
+
+        _IN_ORDER.extend((Metadata, InOrder))
+    return _IN_ORDER[0], _IN_ORDER[1]
 
 
 def in_order(md: dict) -> list[tuple[str, int]] | None:
@@ -307,9 +310,10 @@ def in_order(md: dict) -> list[tuple[str, int]] | None:
     order = getattr(md, "__dict__", {}).get("_notebook_dist_order")
     if order is not None:
         return order
-    if _Metadata is None or type(md) is not _Metadata:
+    metadata, in_order_class = _in_order_classes()
+    if type(md) is not metadata:
         return None
     order = md.__dict__["_notebook_dist_order"] = []
-    object.__setattr__(md, "__class__", _InOrder)
+    object.__setattr__(md, "__class__", in_order_class)
     order.extend((name, (md[name] or "").rfind("\n") + 1) for name in STREAMS)
     return order

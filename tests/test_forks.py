@@ -176,7 +176,8 @@ def test_a_server_started_ahead_that_does_not_fit_is_ended_at_once(monkeypatch, 
 def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_path):
     """In a real kernel, in an empty folder: ``%load_ext notebook_dist`` in one cell, then
     ``%dist_init`` in the next uses the server the first started; nothing is left once
-    the kernel is shut down."""
+    the kernel is shut down. Loading the extension imports no ipyparallel: the server's
+    import of torch is not held up by it."""
     from jupyter_client.manager import start_new_kernel
 
     env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"))
@@ -197,7 +198,10 @@ def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_pa
         return "".join(printed)
 
     try:
+        # the server is started before anything imports ipyparallel (0.3 s here)
+        cell("import sys\nipp_before = 'ipyparallel' in sys.modules")
         cell("%load_ext notebook_dist")
+        assert cell("print(ipp_before, 'ipyparallel' in sys.modules)") == "False False\n"
         ahead = int(cell("from notebook_dist.cluster import forks\nprint(forks._AHEAD.pid)"))
         cell("%dist_init -n 2")
         said = cell(
@@ -210,3 +214,25 @@ def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_pa
         kc.stop_channels()
         km.shutdown_kernel(now=False)
     assert wait_until(lambda: not pids_alive([server, *ranks]), 15)
+
+
+def test_a_script_that_imports_notebook_dist_starts_the_fork_server_first():
+    """``from notebook_dist import DistCluster`` imports neither ipyparallel nor torch, and
+    ``start()`` starts the fork server before it imports ipyparallel: torch's import in
+    the server begins at once (a plain script's start is its longest wait)."""
+    script = (
+        "import sys\nfrom notebook_dist import DistCluster\n"
+        "print(sorted(m for m in ('ipyparallel', 'torch') if m in sys.modules))\n"
+        "from notebook_dist.cluster import processes\nreal = processes.ipp_cluster\n"
+        "def ipp_cluster(p, *args):\n"
+        "    from notebook_dist.cluster import forks\n"
+        "    print('server first:', bool(forks._SERVERS), 'ipyparallel' in sys.modules)\n"
+        "    return real(p, *args)\n"
+        "processes.ipp_cluster = ipp_cluster\n"
+        "with DistCluster(n=2) as c:\n    print(dict(c.run('nd.rank').values))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["[]", "server first: True False", "{0: 0, 1: 1}"]

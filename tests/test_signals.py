@@ -238,7 +238,7 @@ ALLOWED = {
     ("notebook_dist/cluster/hosts.py", "ssh_destination_address", "subprocess.run"): "ssh -G, "
     "its own child, killed on its 30 s timeout",
     (
-        "notebook_dist/cluster/engines.py",
+        "notebook_dist/cluster/engine_launchers.py",
         "RankSlurmEngineSetLauncher._run_command",
         "subprocess.run",
     ): "sbatch or scancel, its own child, killed only if the wait is interrupted",
@@ -388,7 +388,7 @@ def _engine_set(kind: str, data, pool):
     launchers carry pid -1 until they run; Slurm's have no pid; ssh's is on another host)."""
     from ipyparallel.cluster import launcher as ipl
 
-    from notebook_dist.cluster import engines
+    from notebook_dist.cluster import engine_launchers as engines
 
     states = st.sampled_from(["before", "running", "after"])
     where = {"profile_dir": pool["profile_dir"], "cluster_id": "t"}

@@ -19,7 +19,8 @@ import time
 import pytest
 from conftest import DDP_IN_SYNC, pids_alive, wait_until
 
-from notebook_dist.cluster.engines import RankSlurmEngineSetLauncher, engine_cmd
+from notebook_dist.cluster.engine_launchers import RankSlurmEngineSetLauncher
+from notebook_dist.cluster.engines import engine_cmd
 
 
 def test_the_batch_script_carries_the_options_and_our_engine(tmp_path):

@@ -2,8 +2,9 @@
 (``runtime/forkserver.py``), behind ipyparallel's own local launcher.
 
 :class:`ForkServer` starts that process, asks it for engines and learns how each ended.
-:class:`ForkedEngineSetLauncher` is ipyparallel's ``LocalEngineSetLauncher`` whose
-engines come from the cluster's fork server rather than from ``Popen``: the engine set,
+:class:`~.engine_launchers.ForkedEngineSetLauncher` is ipyparallel's
+``LocalEngineSetLauncher`` whose engines come from the cluster's fork server rather than
+from ``Popen``: the engine set,
 its ids, its stop and its log files stay ipyparallel's. The server belongs to the
 cluster's processes (``processes.py``), which record it, watch it with the reaper and
 close it when the cluster stops; the launchers find it by the cluster's profile folder.
@@ -26,7 +27,7 @@ import threading
 import psutil
 
 from ..errors import ClusterError
-from .engines import RankEngineLauncher, RankEngineSetLauncher, tail
+from .engines import tail
 
 #: the fork server of each running cluster, by its profile folder
 _SERVERS: dict[str, ForkServer] = {}
@@ -275,28 +276,3 @@ class ForkedProcess:
 
         if self.record is not None:
             send(self.record, sig)
-
-
-class ForkedEngineLauncher(RankEngineLauncher):
-    """One engine, forked by the cluster's fork server."""
-
-    def start(self):
-        server = _SERVERS.get(self.profile_dir)
-        if server is None or server.gone or not server.usable(server.timeout):
-            return super().start()  # a fresh process, as ipyparallel starts one
-        if self.state != "before":
-            raise RuntimeError(f"the engine was already started and is {self.state}")
-        env = os.environ.copy()
-        env.update(self.get_env())
-        self.pid = server.fork(
-            list(self.args), env, self.work_dir, self.output_file, server.timeout
-        )
-        #: the engine's parent, for the record of what this cluster started
-        self.parent_pid = server.pid
-        self.process = ForkedProcess(server, self.pid)
-        self.notify_start(self.pid)
-        self._start_waiting()
-
-
-class ForkedEngineSetLauncher(RankEngineSetLauncher):
-    launcher_class = ForkedEngineLauncher

@@ -42,10 +42,12 @@ class Launcher:
     @property
     def ipp_class(self) -> type:
         if self.forks_engines:
-            from .forks import ForkedEngineSetLauncher
+            from .engine_launchers import ForkedEngineSetLauncher
 
             return ForkedEngineSetLauncher
-        return engines.RankEngineSetLauncher
+        from .engine_launchers import RankEngineSetLauncher
+
+        return RankEngineSetLauncher
 
     def settings(self, profile_dir: str) -> dict[str, Any]:
         """Traits of the ipyparallel launcher (besides the engine command and environment)."""
@@ -110,7 +112,9 @@ class MPILauncher(Launcher):
 
     @property
     def ipp_class(self):
-        return engines.RankMPIEngineSetLauncher
+        from .engine_launchers import RankMPIEngineSetLauncher
+
+        return RankMPIEngineSetLauncher
 
     def settings(self, profile_dir):
         return {"mpi_cmd": [self.mpiexec], "mpi_args": self._mpi()[0]}
@@ -151,7 +155,9 @@ class SlurmLauncher(Launcher):
 
     @property
     def ipp_class(self):
-        return engines.RankSlurmEngineSetLauncher
+        from .engine_launchers import RankSlurmEngineSetLauncher
+
+        return RankSlurmEngineSetLauncher
 
     def settings(self, profile_dir):
         return dict(self.config.slurm)
@@ -216,7 +222,9 @@ class SSHLauncher(Launcher):
 
     @property
     def ipp_class(self):
-        return engines.RankSSHEngineSetLauncher
+        from .engine_launchers import RankSSHEngineSetLauncher
+
+        return RankSSHEngineSetLauncher
 
     def settings(self, profile_dir):
         return hosts.ssh_settings(self.hosts, self.config, profile_dir)

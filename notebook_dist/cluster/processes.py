@@ -75,8 +75,8 @@ class Processes:
         self.reaper = Reaper()
         self.reaper.remove_on_exit(self.profile_dir)
         launcher = self.launcher
+        start_fork_server(self)  # importing torch while ipyparallel starts the controller
         self.ipp = cluster = ipp_cluster(self.config, launcher, self.profile_dir, n)
-        start_fork_server(self)  # importing torch while the controller starts
         cluster.start_controller_sync()
         controller = self._record(cluster.controller, "controller")
         if controller is not None:

@@ -1,0 +1,167 @@
+"""The engine launchers of notebook_dist: ipyparallel's own, each with what a rank needs
+(its exit code, one engine per rank with no nanny, ``mpiexec`` without mpi4py, Slurm's
+script in the cluster's folder, ssh hosts side by side, engines forked by the cluster's
+fork server). Imported only when a cluster starts: importing notebook_dist does not
+import ipyparallel's launchers, so a fork server can start first (``forks.start_ahead``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ipyparallel.cluster.launcher import (
+    LocalEngineLauncher,
+    LocalEngineSetLauncher,
+    MPIEngineSetLauncher,
+    SlurmEngineSetLauncher,
+    SSHEngineSetLauncher,
+)
+
+from .forks import _SERVERS, ForkedProcess
+
+
+class RankEngineLauncher(LocalEngineLauncher):
+    """One local engine; ``exit_code`` is set (negative for a signal) when it ends."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exit_code: int | None = None
+        self.exited = threading.Event()
+
+    def _wait(self):
+        process = self.process
+        real_wait = process.wait
+
+        def wait(timeout=None):
+            code = real_wait(timeout)
+            self.exit_code = code
+            self.exited.set()
+            return code
+
+        process.wait = wait
+        super()._wait()
+
+
+class RankEngineSetLauncher(LocalEngineSetLauncher):
+    launcher_class = RankEngineLauncher
+
+
+class RankMPIEngineSetLauncher(MPIEngineSetLauncher):
+    """Engines started by ``mpiexec``, without ipyparallel's ``--mpi`` flag: that would make
+    each engine import mpi4py only to learn its MPI rank, which the environment already
+    holds (OMPI_COMM_WORLD_RANK, PMI_RANK); torch.distributed does the communication."""
+
+    @property
+    def program(self):
+        return list(self.engine_cmd)
+
+
+class RankSlurmEngineSetLauncher(SlurmEngineSetLauncher):
+    """Engines as the tasks of one Slurm job (``srun`` in an ``sbatch`` script).
+
+    The batch script is written to the cluster's private profile folder, not the
+    notebook's working directory, and ``options`` (``--sbatch``) become ``#SBATCH``
+    lines (ipyparallel only offers them to custom templates)."""
+
+    def __init__(self, work_dir=".", **kwargs):
+        super().__init__(work_dir=kwargs.get("profile_dir") or work_dir, **kwargs)
+
+    def _run_command(self, command, **kwargs):
+        """As ipyparallel's, but what sbatch/scancel say on stderr reaches the error."""
+        import subprocess
+
+        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, **kwargs)
+        if done.returncode != 0:
+            raise subprocess.CalledProcessError(
+                done.returncode, command, output=done.stdout + done.stderr
+            )
+        return done.stdout.decode("utf8", "replace")
+
+    def _insert_options_in_script(self):
+        import shlex
+
+        super()._insert_options_in_script()
+        extra = [f"#SBATCH {opt}" for opt in shlex.split(self.options or "")]
+        if extra:
+            first, rest = self.batch_template.split("\n", 1)
+            self.batch_template = "\n".join([first, *extra, rest])
+
+
+class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
+    """Engines started over ssh, ``engines`` of them per host (``%dist_init --launcher ssh
+    --hosts``); ipyparallel copies the engine connection file to each host first.
+
+    Hosts are started side by side (ipyparallel starts one engine after another, each
+    a few ssh round trips): start-up then grows with the engines per host, not with the
+    size of the cluster."""
+
+    def start(self, n=None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        inherited = (
+            set(self.traits(config=True)) & set(self.launcher_class.class_traits(config=True))
+        ) - {"location", "user", "hostname", "to_send", "to_fetch"} | {"profile_dir", "cluster_id"}
+        shared = {t: getattr(self, t) for t in inherited}
+        groups = []
+        for h, (dest, count) in enumerate(self.engines.items()):
+            user, _, host = dest.rpartition("@")
+            group = []
+            for i in range(int(count)):
+                key = f"{dest}/{i}"
+                el = self.launchers[key] = self.launcher_class(
+                    parent=self,
+                    identifier=key,
+                    **dict(
+                        shared,
+                        # a folder per host: on a shared filesystem two hosts must not
+                        # write one profile at once
+                        remote_profile_dir=f"{self.remote_profile_dir}-{h}",
+                        # rank order follows --hosts, whichever engine registers first
+                        environment=dict(
+                            self.environment, NOTEBOOK_DIST_LAUNCH_RANK=str(len(self.launchers))
+                        ),
+                    ),
+                )
+                if i:
+                    el.to_send = []  # the first engine on a host sends the connection file
+                el.on_stop(self._notice_engine_stopped)
+                _ = el.loop  # bound here: a worker thread has no event loop of its own
+                group.append(el)
+            groups.append((user or None, host, group))
+
+        def start_host(user, host, group):
+            for el in group:
+                el.start(user=user, hostname=host)
+
+        with ThreadPoolExecutor(max(1, len(groups))) as pool:
+            for future in [pool.submit(start_host, *g) for g in groups]:
+                future.result()  # the first failure is raised
+        self.n = len(self.launchers)
+        self.notify_start(list(self.launchers))
+        return list(self.launchers)
+
+
+class ForkedEngineLauncher(RankEngineLauncher):
+    """One engine, forked by the cluster's fork server."""
+
+    def start(self):
+        server = _SERVERS.get(self.profile_dir)
+        if server is None or server.gone or not server.usable(server.timeout):
+            return super().start()  # a fresh process, as ipyparallel starts one
+        if self.state != "before":
+            raise RuntimeError(f"the engine was already started and is {self.state}")
+        env = os.environ.copy()
+        env.update(self.get_env())
+        self.pid = server.fork(
+            list(self.args), env, self.work_dir, self.output_file, server.timeout
+        )
+        #: the engine's parent, for the record of what this cluster started
+        self.parent_pid = server.pid
+        self.process = ForkedProcess(server, self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
+
+
+class ForkedEngineSetLauncher(RankEngineSetLauncher):
+    launcher_class = ForkedEngineLauncher

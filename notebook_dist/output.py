@@ -90,6 +90,8 @@ class OutputStreamer:
 
     def poll(self) -> None:
         for rank, md in self.sources:
+            if not (md.get("stdout") or md.get("stderr") or md.get("outputs")):
+                continue  # nothing from this rank yet (most ranks of most cells)
             for name, end in self._grown(rank, md):
                 self._read_lines(rank, name, md.get(name) or "", end)
             for name in STREAMS:

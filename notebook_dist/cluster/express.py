@@ -47,21 +47,29 @@ class Reply:
 
 class OutputDone:
     """Set by ipyparallel's client when the rank's 'idle' arrives (its output is all in):
-    the two methods its IOPub handler calls on an output future."""
+    the two methods its IOPub handler calls on an output future. The event to wait on is
+    made only when someone waits (most ranks of most cells write nothing)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_done", "_event")
 
     def __init__(self):
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
-    def set_result(self, _value) -> None:
-        self._event.set()
+    def set_result(self, _value) -> None:  # (on the client's IO thread)
+        self._done = True
+        event = self._event
+        if event is not None:
+            event.set()
 
     def wait(self, timeout: float) -> bool:
-        return self._event.wait(timeout)
+        # the event is in place before done is read: a result set meanwhile either sees it
+        # or is seen here
+        event = self._event = self._event or threading.Event()
+        return self._done or event.wait(timeout)
 
 
 class ExpressResult:
@@ -70,12 +78,12 @@ class ExpressResult:
     def __init__(self, lane, msg_ids: list[str], engines: list[str]):
         self._lane = lane
         self.msg_ids = msg_ids
-        client = lane.client
-        self._metadata = [client.metadata[m] for m in msg_ids]
+        metadata, futures = lane.client.metadata, lane.client._output_futures  # (traits)
+        self._metadata = [metadata[m] for m in msg_ids]
         self._children = [Reply(m, e) for m, e in zip(msg_ids, engines)]
         self._outputs = [OutputDone() for _ in msg_ids]
         for m, out in zip(msg_ids, self._outputs):
-            client._output_futures[m] = out
+            futures[m] = out
 
     def ready(self) -> bool:
         return all(r.done() for r in self._children)
@@ -104,8 +112,9 @@ class ExpressResult:
     def forget(self) -> None:
         """The call is over: what the client and the lane keep for it is dropped (a reply
         that comes later is ignored)."""
-        client = self._lane.client
+        pending = self._lane.pending
+        metadata, futures = self._lane.client.metadata, self._lane.client._output_futures
         for reply in self._children:
-            self._lane.pending.pop(reply.msg_id, None)
-            client._output_futures.pop(reply.msg_id, None)
-            client.metadata.pop(reply.msg_id, None)
+            pending.pop(reply.msg_id, None)
+            futures.pop(reply.msg_id, None)
+            metadata.pop(reply.msg_id, None)

@@ -33,6 +33,10 @@ log = logging.getLogger("notebook_dist")
 log.addHandler(logging.NullHandler())
 
 
+#: the control folders made so far
+_MADE: set[str] = set()
+
+
 class Processes:
     """Start, watch and stop the controller and engines of one cluster."""
 
@@ -194,8 +198,11 @@ class Processes:
     def control_file(self, rank: int, kind: str = "release") -> str:
         """The file through which the notebook asks a rank's agent to release it
         (``release``), or where the rank writes its stack on a fatal signal (``fault``)."""
-        os.makedirs(os.path.join(self.profile_dir, "control"), exist_ok=True)
-        return os.path.join(self.profile_dir, "control", f"{kind}-rank-{rank}")
+        folder = os.path.join(self.profile_dir, "control")
+        if folder not in _MADE:  # (asked for every rank before each cell)
+            os.makedirs(folder, exist_ok=True)
+            _MADE.add(folder)
+        return os.path.join(folder, f"{kind}-rank-{rank}")
 
     # ---- watching ---------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ nothing else helps, fresh engines with the cells replayed."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -118,10 +119,19 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
 def broken_marks(processes) -> dict[int, str]:
     """Ranks on this machine whose process group broke since it was last made, and why
     (each rank marks it beside its control files: ``runtime.group``)."""
-    marks = {}
+    if not processes.profile_dir:
+        return {}
+    try:  # one look at the folder, before each cell: a file per rank only when there is one
+        there = set(os.listdir(os.path.dirname(processes.control_file(0, "broken"))))
+    except OSError:
+        return {}
+    marks: dict[int, str] = {}
+    if not any(name.startswith("broken-") for name in there):
+        return marks  # (before most cells)
     for r in range(len(processes.ranks)):
-        if processes.profile_dir and processes.local(r):
-            with contextlib.suppress(OSError), open(processes.control_file(r, "broken")) as f:
+        path = processes.control_file(r, "broken")
+        if os.path.basename(path) in there and processes.local(r):
+            with contextlib.suppress(OSError), open(path) as f:
                 marks[r] = f.read()
     return marks
 

@@ -11,12 +11,12 @@ Two routes share the connection step:
   reply, so the notebook knows when the rank's output is complete. It serves any function
   (the notebook's own, pickled by value, see the rank's namespace as through the queue).
 - The **express route** carries a cell: one of notebook_dist's own functions, by name, with
-  plain arguments. A request is three signed frames (what to call is pickled once for
-  every rank; only the message id differs), and the reply is the function's packed frames
-  as they are, with a flag that says whether the rank wrote anything. 'idle' is published
-  only then, so a cell that printed nothing costs one message each way. The output it does
-  write is sent as before (IOPub, parented on the request's id), and the notebook waits
-  for its 'idle' exactly as for ipyparallel's.
+  plain arguments. A request is three frames, pickled and signed once for every rank
+  (each rank's message id is the request's with its own uuid), and the reply is the
+  function's packed frames as they are, with a flag that says whether the rank wrote
+  anything. 'idle' is published only then, so a cell that printed nothing costs one
+  message each way. The output it does write is sent as before (IOPub, parented on the
+  request's id), and the notebook waits for its 'idle' exactly as for ipyparallel's.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def serve_express(kernel, sock, frames: list) -> None:
     if not verified(session, frames[1].bytes, [head, body]):
         kernel.log.error("An express request not signed with the cluster's key: dropped")
         return
-    msg_id, sender, username = pickle.loads(head)
+    base, sender, username = pickle.loads(head)
+    msg_id = f"{base}-{kernel.ident}"  # (the same request went to every rank)
     parent = {
         "header": {
             "msg_id": msg_id,

@@ -18,9 +18,16 @@ CELL = (
 
 
 def _completed(c) -> int:
-    """How many requests the controller's queue has passed to the ranks' engines."""
-    status = c.processes.client.queue_status()
-    return sum(status[e]["completed"] for e in c.processes.engine_ids)
+    """How many requests the controller's queue has passed to the ranks' engines, once
+    the hub has booked every reply (its books lag the client's results a little: the
+    start's join can still show as queued when the cluster is already up)."""
+    deadline = time.monotonic() + 30
+    while True:
+        status = c.processes.client.queue_status()
+        if all(status[e]["queue"] == 0 for e in c.processes.engine_ids):
+            return sum(status[e]["completed"] for e in c.processes.engine_ids)
+        assert time.monotonic() < deadline, f"the hub never booked its replies: {status}"
+        time.sleep(0.02)
 
 
 def _run(c):

@@ -102,7 +102,7 @@ def test_messages_not_signed_with_the_clusters_key_are_dropped():
 
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
-    from notebook_dist.runtime.lane import EXPRESS, HELLO
+    from notebook_dist.runtime.lane import HELLO, REPLY, Seal
 
     with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
         lane = c.processes.lane
@@ -120,12 +120,10 @@ def test_messages_not_signed_with_the_clusters_key_are_dropped():
             sock.send_multipart([b"<IDS|MSG>", b"", b"{}", b"{}", b"{}", b"{}"])
             # and on the express route: a hello, and a reply to a call in flight
             xsock.connect(lane.express_url)
-            me = b"intruder"
-            xsock.send_multipart([HELLO, forged.sign([me]), me])
+            xsock.send(Seal(forged).sealed(HELLO, b"intruder"))
             time.sleep(0.5)
-            head = pickle.dumps((next(iter(lane.pending), "none"), "ok", False, b"p"))
-            body = pickle.dumps({0: "forged"})
-            xsock.send_multipart([EXPRESS, forged.sign([head, body]), head, body])
+            base = next(iter(lane.pending), "0" * 32)[:32].encode()
+            xsock.send(Seal(forged).sealed(REPLY, base + b"o0p" + pickle.dumps({0: "forged"})))
             time.sleep(0.5)
             assert "intruder" not in lane.ready
             r = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
@@ -197,7 +195,7 @@ def test_an_express_request_not_signed_with_the_clusters_key_is_not_run(tmp_path
 
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
-    from notebook_dist.runtime.lane import EXPRESS
+    from notebook_dist.runtime.lane import REQUEST, Seal
 
     with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
         c.run("pass")
@@ -206,11 +204,10 @@ def test_an_express_request_not_signed_with_the_clusters_key_is_not_run(tmp_path
         session = c.processes.client.session
 
         def request(path, signer):
-            head = pickle.dumps(("forged", session.session, session.username))
-            body = pickle.dumps((os.makedirs, (str(path),)))
+            call = pickle.dumps((session.session, session.username, os.makedirs, (str(path),)))
             with lane._xlock:
                 lane._express.send_multipart(
-                    [engine.encode(), EXPRESS, signer.sign([head, body]), head, body]
+                    [engine.encode(), Seal(signer).sealed(REQUEST, b"f" * 32 + call)]
                 )
 
         request(tmp_path / "forged", Session(key=b"not the cluster's key"))

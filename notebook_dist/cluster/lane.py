@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 
-from ..runtime.lane import EXPRESS, HELLO, signature, verified
+from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, REQUEST, Seal
 from .express import ExpressError, ExpressResult
 
 log = logging.getLogger("notebook_dist")
@@ -65,6 +65,7 @@ class Lane:
         self._express = xs
         self.express_ready: set[str] = set()  # engine uuids that said hello on it
         self.pending: dict[str, object] = {}  # msg_id -> its express Reply
+        self._seal = Seal(client.session)
 
     def _on_io_loop(self, call, timeout: float = 10.0):
         """``call()`` run on the client's IO thread (the lane's socket lives there)."""
@@ -125,15 +126,16 @@ class Lane:
         base = uuid.uuid4().hex  # each rank's message id is base-<its uuid>: one request for all
         msg_ids = [f"{base}-{engine}" for engine in engines]
         session = self.client.session
-        head = pickle.dumps((base, session.session, session.username))
-        body = pickle.dumps((func, args), protocol=5)
-        request = [EXPRESS, signature(session, [head, body]), head, body]
+        call = pickle.dumps((session.session, session.username, func, args), protocol=5)
+        request = self._seal.sealed(REQUEST, base.encode() + call)
         result = ExpressResult(self, msg_ids, engines)
         with self._xlock:
+            send = self._express.send
             for engine, msg_id, reply in zip(engines, msg_ids, result._children):
                 self.pending[msg_id] = reply
                 try:
-                    _send(self._express, [engine.encode(), *request])
+                    send(engine.encode(), _SNDMORE)
+                    send(request)
                 except Exception as exc:  # zmq: the engine is not connected (it died)
                     self.pending.pop(msg_id, None)
                     self.express_ready.discard(engine)
@@ -165,23 +167,24 @@ class Lane:
     def _take(self, frames: list) -> None:
         """One message on the express route: a rank's hello, or a reply, checked against
         the cluster's key (anything else is dropped)."""
-        if len(frames) < 4:
+        if len(frames) < 2:
             return
-        kind, parts = frames[1].bytes, [f.buffer for f in frames[3:]]
-        if kind not in (EXPRESS, HELLO) or not verified(
-            self.client.session, frames[2].bytes, parts
-        ):
+        extra = [f.buffer for f in frames[2:]]
+        opened = self._seal.opened(frames[1].buffer, extra)
+        if opened is None or opened[0] not in (REPLY, HELLO):
             log.debug("an invalid message on the express route")
             return
+        kind, body = opened
         if kind == HELLO:
-            self.express_ready.add(bytes(parts[0]).decode())
+            self.express_ready.add(bytes(body).decode())
             return
-        msg_id, status, wrote, how = pickle.loads(parts[0])
-        reply = self.pending.pop(msg_id, None)
+        head = bytes(body[:REPLY_HEAD])
+        reply = self.pending.pop(f"{head[:32].decode()}-{frames[0].bytes.decode()}", None)
         if reply is None:  # a call already given up on
             return
-        value = list(parts[1:]) if how == b"f" else pickle.loads(parts[1])
-        if status == "ok":
+        ok, wrote, how = head[32:33] == b"o", head[33:34] == b"1", head[34:35]
+        value = [body[REPLY_HEAD:], *extra] if how == b"f" else pickle.loads(body[REPLY_HEAD:])
+        if ok:
             reply.finish(value, wrote=wrote)
         else:
             reply.finish(error=ExpressError(**value), wrote=wrote)
@@ -245,12 +248,6 @@ class Lane:
 #: zmq's flags as plain ints (pyzmq's send_multipart and recv_multipart combine enum flags
 #: for every frame: a tenth of a cell's CPU at 16 ranks)
 _SNDMORE, _NOBLOCK = 2, 1
-
-
-def _send(sock, frames: list) -> None:
-    for frame in frames[:-1]:
-        sock.send(frame, _SNDMORE)
-    sock.send(frames[-1])
 
 
 def _received(sock) -> list:

@@ -11,12 +11,14 @@ Two routes share the connection step:
   reply, so the notebook knows when the rank's output is complete. It serves any function
   (the notebook's own, pickled by value, see the rank's namespace as through the queue).
 - The **express route** carries a cell: one of notebook_dist's own functions, by name, with
-  plain arguments. A request is three frames, pickled and signed once for every rank
-  (each rank's message id is the request's with its own uuid), and the reply is the
-  function's packed frames as they are, with a flag that says whether the rank wrote
-  anything. 'idle' is published only then, so a cell that printed nothing costs one
-  message each way. The output it does write is sent as before (IOPub, parented on the
-  request's id), and the notebook waits for its 'idle' exactly as for ipyparallel's.
+  plain arguments. Every message on it is one sealed frame (:func:`sealed`: a kind byte,
+  the HMAC of the rest under the cluster's key, the body), with the reply's buffers, if
+  any, as frames after it. A request is pickled and sealed once for every rank (each
+  rank's message id is the request's with its own uuid); the reply is the function's
+  packed frames as they are, with a flag that says whether the rank wrote anything.
+  'idle' is published only then, so a cell that printed nothing costs one frame each way.
+  The output it does write is sent as before (IOPub, parented on the request's id), and
+  the notebook waits for its 'idle' exactly as for ipyparallel's.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import sys
 import traceback
 from typing import Any
 
-#: the first frame of an express request and of its reply, and of the rank's hello
-EXPRESS = b"nd-express-1"
-HELLO = b"nd-hello-1"
+#: the first byte of a sealed frame on the express route: a request, its reply, a hello
+REQUEST, REPLY, HELLO = b"Q", b"R", b"H"
+#: a reply's body begins with the request's id (32 hex digits), then status, wrote and how
+#: (a byte each)
+REPLY_HEAD = 35
 
 #: the lane's streams on this engine (one set at a time: a reconnect replaces them)
 _STREAM: list[Any] = []
@@ -38,13 +42,39 @@ _STREAM: list[Any] = []
 _SENT = [0]
 
 
-def signature(session, parts: list) -> bytes:
-    """HMAC of ``parts`` with the cluster's key (b"" without a key, as Session signs)."""
-    return session.sign(parts)
+class Seal:
+    """Seals and opens the express route's frames with a session's key (the HMAC of the
+    body and any frames after it, as raw bytes; nothing without a key, as Session signs)."""
 
+    __slots__ = ("key", "keyed", "size")
 
-def verified(session, sig, parts: list) -> bool:
-    return session.auth is None or hmac.compare_digest(bytes(sig), session.sign(parts))
+    def __init__(self, session):
+        self.key = session.key or None
+        self.keyed = hmac.new(self.key, digestmod=session.digest_mod) if self.key else None
+        self.size = self.keyed.digest_size if self.key else 0
+
+    def _mac(self, body, extra) -> bytes:
+        h = self.keyed.copy()  # (the key's own setup done once)
+        h.update(body)
+        for part in extra:
+            h.update(part)
+        return h.digest()
+
+    def sealed(self, kind: bytes, body, extra: list | tuple = ()) -> bytes:
+        """One frame: ``kind``, the signature of ``body`` and ``extra``, ``body``."""
+        return b"".join((kind, self._mac(body, extra) if self.key else b"", body))
+
+    def opened(self, frame, extra: list | tuple = ()):
+        """``(kind, body)`` of a sealed frame (memoryviews), or None when its signature is
+        not the cluster's."""
+        frame = memoryview(frame)
+        end = 1 + self.size
+        if len(frame) < end:
+            return None
+        body = frame[end:]
+        if self.key and not hmac.compare_digest(frame[1:end], self._mac(body, extra)):
+            return None
+        return bytes(frame[:1]), body
 
 
 def connect(url: str, express_url: str | None = None) -> str:
@@ -74,8 +104,7 @@ def connect(url: str, express_url: str | None = None) -> str:
         xstream = ZMQStream(xsock, kernel.io_loop)
         xstream.on_recv(lambda frames: serve_express(kernel, xsock, frames), copy=False)
         _STREAM.append(xstream)
-        me = kernel.ident.encode()
-        xsock.send_multipart([HELLO, signature(kernel.session, [me]), me])
+        xsock.send(_seal(kernel.session).sealed(HELLO, kernel.ident.encode()))
     return kernel.ident
 
 
@@ -133,14 +162,17 @@ def serve_express(kernel, sock, frames: list) -> None:
     the request, the reply its frames (or its pickle), 'idle' only after output."""
     from .streams import flush_written, written
 
-    session = kernel.session
-    if len(frames) != 4 or frames[0].bytes != EXPRESS:
-        return
-    head, body = frames[2].buffer, frames[3].buffer
-    if not verified(session, frames[1].bytes, [head, body]):
+    seal = _seal(kernel.session)
+    opened = seal.opened(frames[0].buffer) if len(frames) == 1 else None
+    if opened is None or opened[0] != REQUEST:
         kernel.log.error("An express request not signed with the cluster's key: dropped")
         return
-    base, sender, username = pickle.loads(head)
+    body = opened[1]
+    base = bytes(body[:32]).decode()
+    try:
+        sender, username, func, args = pickle.loads(body[32:])
+    except Exception as exc:  # (a function this rank cannot import): said in the reply
+        sender, username, func, args = "", "", _raise, (exc,)
     msg_id = f"{base}-{kernel.ident}"  # (the same request went to every rank)
     parent = {
         "header": {
@@ -157,7 +189,6 @@ def serve_express(kernel, sock, frames: list) -> None:
     kernel.set_parent([], parent, channel="shell")
     wrote_before, sent_before = written(), _SENT[0]
     try:
-        func, args = pickle.loads(body)
         kernel.pre_handler_hook()  # Ctrl-C is a KeyboardInterrupt in the call
         try:
             status, value = "ok", func(*args)
@@ -168,15 +199,32 @@ def serve_express(kernel, sock, frames: list) -> None:
     flush_written(wrote_before)
     wrote = written() != wrote_before or _SENT[0] != sent_before
     how, parts = _reply_frames(status, value)
-    head = pickle.dumps((msg_id, status if how else "error", wrote, how or b"p"))
-    sock.send_multipart([EXPRESS, signature(session, [head, *parts]), head, *parts])
+    head = b"".join(
+        (base.encode(), b"e" if status != "ok" or how == b"x" else b"o", b"%d" % wrote, how)
+    )
+    first, extra = parts[0], parts[1:]
+    sock.send_multipart([seal.sealed(REPLY, head + bytes(first), extra), *extra])
     if wrote:
         kernel._publish_status("idle", "shell")  # the rank's output is complete
 
 
+#: [the engine's session, its Seal]: made at the first request
+_SEAL: list = []
+
+
+def _seal(session) -> Seal:
+    if not _SEAL or _SEAL[0] is not session:
+        _SEAL[:] = [session, Seal(session)]
+    return _SEAL[1]
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
 def _reply_frames(status: str, value: Any) -> tuple[bytes, list]:
     """The reply's frames: a list of bytes-like frames as they are (``b"f"``), anything
-    else pickled (``b"p"``); ``b""`` with the pickling error when it cannot be."""
+    else pickled (``b"p"``); ``b"x"`` with the pickling error when it cannot be."""
     if (
         status == "ok"
         and isinstance(value, list)
@@ -186,7 +234,7 @@ def _reply_frames(status: str, value: Any) -> tuple[bytes, list]:
     try:
         return b"p", [pickle.dumps(value, protocol=5)]
     except Exception as exc:
-        return b"", [pickle.dumps(_failure(exc))]
+        return b"x", [pickle.dumps(_failure(exc))]
 
 
 def _failure(exc: BaseException) -> dict[str, str]:

@@ -615,7 +615,10 @@ def _every_rank_died_then(how: str, then: str, said: dict[str, str]) -> None:
     which = f"({how} then {then})"
     died = DIED[how]
     assert "Error" not in said["setup"], (which, said["setup"])
-    assert "ClusterError: Every rank of the cell has ended: rank 0 " in said["end ranks"], which
+    assert "ClusterError: Every rank of the cell has ended: rank 0 " in said["end ranks"], (
+        which,
+        said,
+    )
     assert all(part in said["end ranks"] for part in died.split("; ")), (which, said["end ranks"])
     assert said["next cell"].strip() == (
         f"ClusterError: Every rank has ended: {died}. Their variables are gone. Run "

@@ -11,9 +11,9 @@ Two routes share the connection step:
   reply, so the notebook knows when the rank's output is complete. It serves any function
   (the notebook's own, pickled by value, see the rank's namespace as through the queue).
 - The **express route** carries a cell: one of notebook_dist's own functions, by name, with
-  plain arguments. Every message on it is one sealed frame (:func:`sealed`: a kind byte,
-  the HMAC of the rest under the cluster's key, the body), with the reply's buffers, if
-  any, as frames after it. A request is pickled and sealed once for every rank (each
+  plain arguments. Every message on it is one sealed frame (:class:`Seal`: a kind byte,
+  the HMAC of the kind, the body and any frames after it under the cluster's key, the
+  body), with the reply's buffers, if any, as frames after it. A request is pickled and sealed once for every rank (each
   rank's message id is the request's with its own uuid); the reply is the function's
   packed frames as they are, with a flag that says whether the rank wrote anything.
   'idle' is published only then, so a cell that printed nothing costs one frame each way.
@@ -44,7 +44,8 @@ _SENT = [0]
 
 class Seal:
     """Seals and opens the express route's frames with a session's key (the HMAC of the
-    body and any frames after it, as raw bytes; nothing without a key, as Session signs)."""
+    kind, the body and any frames after it, as raw bytes; nothing without a key, as
+    Session signs)."""
 
     __slots__ = ("key", "keyed", "size")
 
@@ -53,16 +54,17 @@ class Seal:
         self.keyed = hmac.new(self.key, digestmod=session.digest_mod) if self.key else None
         self.size = self.keyed.digest_size if self.key else 0
 
-    def _mac(self, body, extra) -> bytes:
+    def _mac(self, kind, body, extra) -> bytes:
         h = self.keyed.copy()  # (the key's own setup done once)
+        h.update(kind)
         h.update(body)
         for part in extra:
             h.update(part)
         return h.digest()
 
     def sealed(self, kind: bytes, body, extra: list | tuple = ()) -> bytes:
-        """One frame: ``kind``, the signature of ``body`` and ``extra``, ``body``."""
-        return b"".join((kind, self._mac(body, extra) if self.key else b"", body))
+        """One frame: ``kind``, the signature of ``kind``, ``body`` and ``extra``, ``body``."""
+        return b"".join((kind, self._mac(kind, body, extra) if self.key else b"", body))
 
     def opened(self, frame, extra: list | tuple = ()):
         """``(kind, body)`` of a sealed frame (memoryviews), or None when its signature is
@@ -72,7 +74,7 @@ class Seal:
         if len(frame) < end:
             return None
         body = frame[end:]
-        if self.key and not hmac.compare_digest(frame[1:end], self._mac(body, extra)):
+        if self.key and not hmac.compare_digest(frame[1:end], self._mac(frame[:1], body, extra)):
             return None
         return bytes(frame[:1]), body
 

@@ -105,6 +105,8 @@ class Processes:
             self.lane = Lane(client, "127.0.0.1")
         deadline = time.monotonic() + self.config.start_timeout_s
         next_sync = time.monotonic() + 1.0
+        if len(client.ids) < n:  # while the engines register
+            prepare_first_call()
         while len(client.ids) < n:
             launcher.check_starting(engine_set, launchers, len(client.ids), n)
             if time.monotonic() > next_sync:
@@ -115,7 +117,7 @@ class Processes:
                     f"only {len(client.ids)} of {n} engines registered within "
                     f"{self.config.start_timeout_s:.0f} s; their logs are kept in {keep_logs(self)}"
                 )
-            time.sleep(0.02)
+            time.sleep(0.005)
         self.engine_ids = sorted(client.ids)[:n]
         #: pid -> launcher of every engine started here (the ranks', spares' added later)
         self.by_pid = {p.pid: el for el in launchers for p in self.started if p.pid == el.pid}
@@ -379,6 +381,16 @@ def ipp_cluster(config: DistConfig, launcher: Launcher, profile_dir: str, n: int
         config=cfg,
         parent=None,
     )
+
+
+def prepare_first_call() -> None:
+    """What the client's first call imports (ipyparallel's serialization imports numpy to
+    know its arrays, about 0.1 s here), imported now, while the engines register, rather
+    than on the way to the ranks' group."""
+    from ipyparallel.serialize import canning
+
+    canning.can(None)
+    canning.uncan(None)
 
 
 def sync_registered(client) -> None:

@@ -65,17 +65,23 @@ class Session:
 
     def ahead(self, on: bool = True) -> None:
         """When the extension loads and no cluster runs: start the process local engines
-        are forked from, so that ``%dist_init`` need not wait for torch's import
-        (``on=False``: end it, when the extension unloads)."""
+        are forked from, so that ``%dist_init`` need not wait for torch's import, then
+        import here what starting a cluster imports (``on=False``: end it, when the
+        extension unloads)."""
         from .cluster import forks
 
         if not on:
             forks.end_ahead()
         elif self.current() is None:
-            from .cluster.processes import fork_ahead
+            from .cluster.processes import fork_ahead, prepare_first_call
             from .config import DistConfig
 
             fork_ahead(DistConfig())
+            # ipyparallel (0.25 s here) and what its first call imports: paid now, while
+            # the server imports torch, not by the next cell's %dist_init
+            import ipyparallel  # noqa: F401
+
+            prepare_first_call()
 
     def ensure(self) -> tuple[DistCluster, list[str]]:
         """The running cluster, or one started as ``%dist_init`` would: (it, what to say)."""

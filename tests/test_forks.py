@@ -176,8 +176,8 @@ def test_a_server_started_ahead_that_does_not_fit_is_ended_at_once(monkeypatch, 
 def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_path):
     """In a real kernel, in an empty folder: ``%load_ext notebook_dist`` in one cell, then
     ``%dist_init`` in the next uses the server the first started; nothing is left once
-    the kernel is shut down. Loading the extension imports no ipyparallel: the server's
-    import of torch is not held up by it."""
+    the kernel is shut down. Loading the extension starts the server before it imports
+    ipyparallel (for the next cell): the server's import of torch is not held up by it."""
     from jupyter_client.manager import start_new_kernel
 
     env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"))
@@ -198,10 +198,21 @@ def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_pa
         return "".join(printed)
 
     try:
-        # the server is started before anything imports ipyparallel (0.3 s here)
-        cell("import sys\nipp_before = 'ipyparallel' in sys.modules")
+        # the server is started before anything imports ipyparallel (0.3 s here): asked
+        # of the first import of ipyparallel as it happens
+        cell(
+            "import sys\nipp_before = 'ipyparallel' in sys.modules\n"
+            "class FirstImport:\n"
+            "    server_started = None\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'ipyparallel' and FirstImport.server_started is None:\n"
+            "            forks = sys.modules.get('notebook_dist.cluster.forks')\n"
+            "            FirstImport.server_started = getattr(forks, '_AHEAD', None) is not None\n"
+            "sys.meta_path.insert(0, FirstImport())"
+        )
         cell("%load_ext notebook_dist")
-        assert cell("print(ipp_before, 'ipyparallel' in sys.modules)") == "False False\n"
+        said = cell("print(ipp_before, 'ipyparallel' in sys.modules, FirstImport.server_started)")
+        assert said == "False True True\n"
         ahead = int(cell("from notebook_dist.cluster import forks\nprint(forks._AHEAD.pid)"))
         cell("%dist_init -n 2")
         said = cell(

@@ -14,7 +14,7 @@ def _preimport() -> None:
 
     if "torch.distributed" in sys.modules:  # forked from a server that imported it
         return
-    from .forkserver import frozen_after
+    from .imports import frozen_after
 
     with frozen_after():  # (the engine's own imports meanwhile too)
         try:

@@ -27,13 +27,14 @@ closes (the cluster stopped, or the kernel is gone); its engines are not its to 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import select
 import signal
 import sys
 import threading
+
+from .imports import frozen_after
 
 #: the module a forked engine runs, as ``python -m`` would
 ENGINE_MODULE = "notebook_dist.runtime.engine"
@@ -145,25 +146,6 @@ def main() -> None:
                 say({"forked": request.get("fork"), "error": f"{type(exc).__name__}: {exc}"})
             else:
                 say({"forked": request.get("fork"), "pid": pid})
-
-
-class frozen_after:
-    """Imports without the garbage collector, and what they made frozen afterwards.
-
-    Importing torch makes hundreds of thousands of objects, and each full collection on
-    the way scans them all (0.15 s of the server's 1.5 s of imports here). Frozen, they
-    stay out of every later collection, in the server and in each engine forked from it:
-    a collection in an engine no longer touches, and so copies, the pages it shares with
-    the server."""
-
-    def __enter__(self):
-        self.was_enabled = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc):
-        gc.freeze()
-        if self.was_enabled:
-            gc.enable()
 
 
 def name_process(name: bytes) -> None:

@@ -104,21 +104,9 @@ class Processes:
             from .lane import Lane
 
             self.lane = Lane(client, "127.0.0.1")
-        deadline = time.monotonic() + self.config.start_timeout_s
-        next_sync = time.monotonic() + 1.0
-        if len(client.ids) < n:  # while the engines register
-            prepare_first_call()
-        while len(client.ids) < n:
-            launcher.check_starting(engine_set, launchers, len(client.ids), n)
-            if time.monotonic() > next_sync:
-                sync_registered(client)
-                next_sync = time.monotonic() + 1.0
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"only {len(client.ids)} of {n} engines registered within "
-                    f"{self.config.start_timeout_s:.0f} s; their logs are kept in {keep_logs(self)}"
-                )
-            time.sleep(0.005)
+        wait_registered(
+            self, n, lambda: launcher.check_starting(engine_set, launchers, len(client.ids), n)
+        )
         self.engine_ids = sorted(client.ids)[:n]
         #: pid -> launcher of every engine started here (the ranks', spares' added later)
         self.by_pid = {p.pid: el for el in launchers for p in self.started if p.pid == el.pid}
@@ -401,6 +389,27 @@ def controller_environment() -> dict[str, str]:
 
     where = os.path.dirname(os.path.dirname(os.path.abspath(notebook_dist.__file__)))
     return {"PYTHONPATH": os.pathsep.join(p for p in (where, os.environ.get("PYTHONPATH")) if p)}
+
+
+def wait_registered(processes: Processes, n: int, check_starting) -> None:
+    """Until ``n`` engines registered at the client (``check_starting()`` raises when the
+    launcher knows they cannot), or the start's time is up."""
+    client, timeout_s = processes.client, processes.config.start_timeout_s
+    deadline = time.monotonic() + timeout_s
+    next_sync = time.monotonic() + 1.0
+    if len(client.ids) < n:  # while the engines register
+        prepare_first_call()
+    while len(client.ids) < n:
+        check_starting()
+        if time.monotonic() > next_sync:
+            sync_registered(client)
+            next_sync = time.monotonic() + 1.0
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"only {len(client.ids)} of {n} engines registered within "
+                f"{timeout_s:.0f} s; their logs are kept in {keep_logs(processes)}"
+            )
+        time.sleep(0.005)
 
 
 def prepare_first_call() -> None:

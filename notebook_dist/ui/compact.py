@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from ..phrases import rank_list
 from .state import DashboardState, RankRow
-from .text import healed_text, progress_text
 from .widget_colors import STATE_COLORS
+from .words import healed_text, progress_text
 
 #: from how many ranks the dashboard shows groups instead of a row per rank
 COMPACT_FROM = 9

@@ -14,8 +14,8 @@ import html
 from ..phrases import memory_text as fmt_bytes
 from .compact import compact, compact_html
 from .state import DashboardState, RankRow
-from .text import fmt_metric, healed_text, progress_text
 from .widget_colors import STATE_COLORS, sparkline
+from .words import fmt_metric, healed_text, progress_text
 
 COLUMNS = (
     "rank",

@@ -4,28 +4,14 @@ from __future__ import annotations
 
 from ..phrases import memory_text as fmt_bytes
 from ..table import format_table
+from .compact import compact, compact_text
 from .state import DashboardState
-
-
-def fmt_metric(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def progress_text(step, total) -> str:
-    if step is None:
-        return "-"
-    if total:
-        return f"{step:g}/{total:g}"
-    return f"{step:g}"
+from .words import fmt_metric, healed_text, progress_text
 
 
 def render_text(st: DashboardState, full: bool = False) -> str:
     """The dashboard as text; from ``compact.COMPACT_FROM`` ranks, the ranks grouped by
     what they do unless ``full`` (``DistConfig.dashboard_full_table``)."""
-    from .compact import compact, compact_text
-
     head = f"{st.world_size} ranks · {st.backend} · {st.wall_s:.1f} s"
     if st.throughput:
         head += f" · {st.throughput:,.0f} samples/s"
@@ -75,13 +61,6 @@ def render_text(st: DashboardState, full: bool = False) -> str:
     if st.verdict:
         lines.append(f"Diagnosis: {st.verdict}")
     return "\n".join(lines)
-
-
-def healed_text(row) -> str:
-    """' (healed)', ' (healed 3x)': a rank replaced by a fresh engine, said beside its state."""
-    if not row.healed:
-        return ""
-    return " (healed)" if row.healed == 1 else f" (healed {row.healed}x)"
 
 
 class TextDashboard:

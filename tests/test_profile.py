@@ -122,6 +122,38 @@ def test_the_verdict_stands_when_the_machine_does_not_explain_the_lateness(cpu_w
     assert p.verdict.endswith("Look at what rank 1 does before line 7.")
 
 
+def _on_a_busy_machine(ms: int, process_wait: tuple) -> dict:
+    """Rank 1 ``ms`` late at each of 20 all_reduces, its cell thread waiting for a CPU no
+    more than rank 0's; each rank's threads waited ``process_wait`` seconds for one."""
+    profiles = _late_by(ms, (0.03, 0.04))
+    for r, wait in enumerate(process_wait):
+        profiles[r]["process_wait"] = int(wait * 1e9)
+    return profiles
+
+
+def test_a_straggler_within_the_machines_own_delays_is_not_blamed_on_its_code():
+    # measured beside two CPU burners on 2 cores: a balanced DDP loop, rank 1 last at 37 of
+    # 44 all_reduces, 4 ms late; its cell thread computed 0.045 s more (a busy core's
+    # slower CPU time), and each rank's threads waited 0.19 s for a CPU on average
+    p = analyze(_on_a_busy_machine(7, (0.16, 0.22)), {0: 0, 1: 0})
+    assert p.verdict is None
+    assert p.machine == (
+        "Rank 1 arrived last at 20 of 20 all_reduces, 7 ms late on average: rank 0 waited "
+        "0.1 s (12% of the cell). But each rank's threads waited 0.19 s for a CPU on average, "
+        "about as long: the machine runs more busy processes than it has cores, and it alone "
+        "can keep one rank last by this much, so rank 1's code is not blamed. Profile again "
+        "on a quieter machine, or with fewer ranks per machine."
+    )
+
+
+@pytest.mark.parametrize("process_wait", [(0.08, 0.1), (0.0, 0.0)])
+def test_a_straggler_well_beyond_the_machines_delays_is_named(process_wait):
+    # rank 1 sleeps 30 ms a step (rank 0 waited 0.6 s) on a machine where the ranks' threads
+    # waited 0.09 s for a CPU, or on an idle one
+    p = analyze(_on_a_busy_machine(30, process_wait), {0: 0, 1: 0})
+    assert p.machine is None and p.verdict.startswith("rank 1 arrived last at 20 of 20")
+
+
 def _together(ahead: int = 0) -> dict:
     """Two ranks arriving together at 20 all_reduces, rank 1's clock ``ahead`` ns ahead."""
     every = [(i * 10 * MS, i * 10 * MS) for i in range(20)]

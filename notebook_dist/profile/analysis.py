@@ -26,6 +26,11 @@ MIN_LATE_NS = 1_000_000
 # the machine's part: its other threads (holding the GIL, running Gloo) wait too.
 MACHINE_SHARE = 0.25
 MORE_WORK_SHARE = 0.25
+# ... or the others waited for it no longer than this many times what a rank's threads
+# waited for a CPU, on average over the ranks: on a machine so busy, a rank that is last by
+# so little may be last by the scheduler's turns alone (Linux favours the thread that slept
+# in a collective, so the same rank keeps arriving last), and its code is not blamed
+MACHINE_NOISE = 1.5
 
 
 def length(intervals: list[tuple[int, int]]) -> int:
@@ -155,6 +160,7 @@ def _rank_time(r: int, p: dict, shift: int, waiting: list, t_min: int):
         exposed_s=length(exposed) / 1e9,
         cpu_wait_s=None if p.get("cpu_wait") is None else p["cpu_wait"] / 1e9,
         cpu_busy_s=None if p.get("cpu_busy") is None else p["cpu_busy"] / 1e9,
+        process_wait_s=None if p.get("process_wait") is None else p["process_wait"] / 1e9,
     )
 
     def rel(intervals):
@@ -196,26 +202,50 @@ def clock_shifts(profiles: dict[int, dict[str, Any]], offsets: dict[int, int]) -
 
 
 def _held_by_machine(ranks: dict[int, RankTime], late: int) -> str | None:
-    """Why the last rank was last, when the machine is the reason: the cell's thread on it
-    sat runnable, waiting for a CPU, for a good part of the time the others waited for it,
-    and it did no more work than they did. A rank that sleeps or reads data is not runnable
-    while it does, and one that computes more is more time on a CPU: their verdict stands.
-    Where the kernel keeps no schedstat, so does every verdict."""
+    """Why the last rank was last, when the machine is the reason. Either the cell's thread
+    on it sat runnable, waiting for a CPU, for a good part of the time the others waited
+    for it, and it did no more work than they did; or the ranks' processes waited for a
+    CPU about as long as the others waited for it. A rank that sleeps or reads data is not
+    runnable while it does, and one that computes more is more time on a CPU: their verdict
+    stands. Where the kernel keeps no schedstat, so does every verdict."""
     others = [r for r in ranks if r != late]
-    if not others or any(ranks[r].cpu_wait_s is None for r in ranks):
+    if not others:
         return None
     waited = statistics.fmean(ranks[r].waiting_s for r in others)
+    if waited <= 0:
+        return None
+    return _late_for_a_cpu(ranks, late, others, waited) or _busy_machine(ranks, late, waited)
+
+
+def _late_for_a_cpu(ranks: dict[int, RankTime], late: int, others: list[int], waited: float):
+    if any(ranks[r].cpu_wait_s is None or ranks[r].cpu_busy_s is None for r in ranks):
+        return None
     more_wait = ranks[late].cpu_wait_s - statistics.fmean(ranks[r].cpu_wait_s for r in others)
     more_work = ranks[late].cpu_busy_s - statistics.fmean(ranks[r].cpu_busy_s for r in others)
-    if waited <= 0 or more_wait < MACHINE_SHARE * waited or more_work >= MORE_WORK_SHARE * waited:
+    if more_wait < MACHINE_SHARE * waited or more_work >= MORE_WORK_SHARE * waited:
         return None
     theirs = ", ".join(f"rank {r}: {ranks[r].cpu_wait_s:.2f} s" for r in others)
     return (
         f"rank {late} itself waited {ranks[late].cpu_wait_s:.2f} s for a CPU ({theirs}), and "
         "computed no more than the others: the machine runs more busy processes than it has "
-        "cores, and that, not the code, held it back. Profile again on a quieter machine, or "
-        "with fewer ranks per machine."
+        f"cores, and that, not the code, held it back. {_QUIETER}"
     )
+
+
+def _busy_machine(ranks: dict[int, RankTime], late: int, waited: float) -> str | None:
+    if any(ranks[r].process_wait_s is None for r in ranks):
+        return None
+    machine = statistics.fmean(ranks[r].process_wait_s for r in ranks)
+    if waited > MACHINE_NOISE * machine:
+        return None
+    return (
+        f"each rank's threads waited {machine:.2f} s for a CPU on average, about as long: "
+        "the machine runs more busy processes than it has cores, and it alone can keep one "
+        f"rank last by this much, so rank {late}'s code is not blamed. {_QUIETER}"
+    )
+
+
+_QUIETER = "Profile again on a quieter machine, or with fewer ranks per machine."
 
 
 def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, str] | None:

@@ -20,6 +20,8 @@ class RankTime:
     # the cell's thread: runnable but not running (waiting for a CPU), and on a CPU (Linux)
     cpu_wait_s: float | None = None
     cpu_busy_s: float | None = None
+    # every thread of its process (Gloo's and torch's too), waiting for a CPU, summed (Linux)
+    process_wait_s: float | None = None
 
 
 @dataclass

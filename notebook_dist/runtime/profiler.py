@@ -15,6 +15,7 @@ Times are Unix epoch nanoseconds of this rank's clock; the kernel aligns the ran
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -78,15 +79,32 @@ def _fr_entries() -> list[dict[str, Any]]:
         return []
 
 
-def schedstat() -> tuple[int, int] | None:
-    """The calling thread's time on a CPU and its time runnable but waiting for one, in
-    ns: Linux's schedstat. None where the kernel does not say."""
+def _schedstat_at(path: str) -> tuple[int, int] | None:
+    """A thread's time on a CPU and its time runnable but waiting for one, in ns: Linux's
+    schedstat. None where the kernel does not say."""
     try:
-        with open("/proc/thread-self/schedstat") as f:
+        with open(path) as f:
             on_cpu, waiting = f.read().split()[:2]
         return int(on_cpu), int(waiting)
     except (OSError, ValueError):
         return None
+
+
+def schedstat() -> tuple[int, int] | None:
+    """The calling thread's schedstat (time on a CPU, time waiting for one, ns)."""
+    return _schedstat_at("/proc/thread-self/schedstat")
+
+
+def threads_schedstat() -> dict[str, tuple[int, int]] | None:
+    """The schedstat of every thread of this process, by thread id: the cell's thread and
+    those that run for it (Gloo's, torch's, the engine's). None where the kernel does not
+    say."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    threads = {t: _schedstat_at(f"/proc/self/task/{t}/schedstat") for t in tids}
+    return {t: v for t, v in threads.items() if v is not None} or None  # (some ended)
 
 
 class CellProfile:
@@ -114,12 +132,14 @@ class CellProfile:
         self.mark = torch.autograd.profiler.record_function(MARK)
         self.t_start = self.t_end = 0
         self.sched: list[tuple[int, int] | None] = []
+        self.threads: list[dict[str, tuple[int, int]] | None] = []
 
     def __enter__(self) -> CellProfile:
         self.prof.__enter__()
         self.mark.__enter__()
         self.t_start = time.time_ns()
         self.sched = [schedstat()]
+        self.threads = [threads_schedstat()]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -127,6 +147,7 @@ class CellProfile:
             sys.modules["torch"].cuda.synchronize()
         self.t_end = time.time_ns()
         self.sched.append(schedstat())
+        self.threads.append(threads_schedstat())
         self.mark.__exit__(None, None, None)
         self.prof.__exit__(None, None, None)
 
@@ -169,6 +190,7 @@ class CellProfile:
             "trace": trace[:MAX_EVENTS],
             "cuda": self.cuda,
             **_spent(self.sched),
+            **_spent_by_threads(self.threads),
             "clock": clock_id(),
             "aligned": self.aligned,
             # collectives ran, but the Flight Recorder (how ranks are matched) saw none
@@ -183,6 +205,16 @@ def _spent(marks: list[tuple[int, int] | None]) -> dict[str, int]:
         return {}
     (busy0, wait0), (busy1, wait1) = marks
     return {"cpu_busy": busy1 - busy0, "cpu_wait": wait1 - wait0}
+
+
+def _spent_by_threads(marks: list[dict[str, tuple[int, int]] | None]) -> dict[str, int]:
+    """Every thread's time waiting for a CPU between two readings, summed over the threads
+    (``process_wait``); a thread started between them counts from its start, one that
+    ended is left out. Nothing when either reading is missing."""
+    if len(marks) != 2 or None in marks:
+        return {}
+    before, after = marks
+    return {"process_wait": sum(w - before.get(t, (0, 0))[1] for t, (_, w) in after.items())}
 
 
 def _op_of(name: str) -> str:

@@ -10,12 +10,19 @@ import threading
 
 
 def _preimport() -> None:
-    try:
-        import torch  # noqa: F401
-        import torch.distributed  # noqa: F401
-    except Exception:
-        # the bootstrap imports torch again and reports the error with its rank
-        pass
+    import sys
+
+    if "torch.distributed" in sys.modules:  # forked from a server that imported it
+        return
+    from .imports import frozen_after
+
+    with frozen_after():  # (the engine's own imports meanwhile too)
+        try:
+            import torch  # noqa: F401
+            import torch.distributed  # noqa: F401
+        except Exception:
+            # the bootstrap imports torch again and reports the error with its rank
+            pass
 
 
 def main() -> None:

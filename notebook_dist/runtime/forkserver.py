@@ -34,6 +34,8 @@ import signal
 import sys
 import threading
 
+from .imports import frozen_after
+
 #: the module a forked engine runs, as ``python -m`` would
 ENGINE_MODULE = "notebook_dist.runtime.engine"
 
@@ -99,7 +101,8 @@ def later_imports() -> None:
     for the engines forked afterwards (spares, a restart, a heal)."""
     from .heal import preload
 
-    preload()
+    with frozen_after():
+        preload()
     assert threading.active_count() == 1, "a thread was started while importing"
     assert not cuda_started(), "CUDA was initialised while importing"
 
@@ -107,7 +110,8 @@ def later_imports() -> None:
 def main() -> None:
     commands, answers = _private_pipes()
     name_process(b"nd-fork-server")
-    failed = preimport()
+    with frozen_after():
+        failed = preimport()
     say = _sayer(answers)
     if failed:
         say({"ready": os.getpid(), "failed": failed})

@@ -121,6 +121,70 @@ def test_the_controller_is_ipyparallels_own_without_its_pause(tmp_path):
     assert {"registration", "hb_ping", "key"} <= keys[OURS]
 
 
+# ipyparallel's heart monitor over real sockets, its beats made by hand (its period is a
+# minute): an engine's heart answers the first ping it gets, then no beat follows. Prints
+# whether the hub heard of the new heart, and after how many beats.
+_NEW_HEART = """
+import asyncio, json, sys, zmq
+from zmq.eventloop.zmqstream import ZMQStream
+from ipyparallel.controller import heartmonitor
+if sys.argv[1] == "ours":
+    from notebook_dist.runtime.controller import new_hearts_at_once
+    new_hearts_at_once(heartmonitor)
+
+async def main():
+    ctx = zmq.Context()
+    ping, pong, hub = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    url = "tcp://127.0.0.1"
+    ports = [s.bind_to_random_port(url) for s in (ping, pong, hub)]
+    to_hub = ctx.socket(zmq.PUSH)  # (the hub's is a SUB, the monitor's an XPUB)
+    to_hub.connect(f"{url}:{ports[2]}")
+    monitor = heartmonitor.HeartMonitor(
+        ping_stream=ZMQStream(ping), pong_stream=ZMQStream(pong),
+        monitor_stream=ZMQStream(to_hub), period=60_000,
+    )
+    monitor.pong_stream.on_recv(monitor.handle_pong)  # as its start does, but no timer
+    heart_in, heart_out = ctx.socket(zmq.SUB), ctx.socket(zmq.DEALER)
+    heart_in.subscribe(b"")
+    heart_out.identity = b"an-engines-heart"
+    heart_in.connect(f"{url}:{ports[0]}")
+    heart_out.connect(f"{url}:{ports[1]}")
+    beats = 0
+    while not heart_in.poll(0):  # a ping sent before the heart subscribed is lost
+        monitor.beat()
+        beats += 1
+        await asyncio.sleep(0.01)
+    heart_out.send(heart_in.recv())  # the heart's answer, as ipyparallel's Heart echoes
+    for _ in range(300):
+        if hub.poll(0):
+            break
+        await asyncio.sleep(0.01)
+    heard = hub.poll(0) and b"new_heart" in b"".join(hub.recv_multipart())
+    print(json.dumps({"heard": bool(heard), "beats": beats}), flush=True)
+    ctx.destroy(linger=0)
+
+asyncio.run(main())
+"""
+
+
+def test_the_controller_registers_an_engine_when_its_heart_first_answers():
+    import json
+
+    for which, heard in (("ours", True), ("theirs", False)):
+        out = subprocess.run(
+            [sys.executable, "-c", _NEW_HEART, which],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout.splitlines()[-1])
+        # ipyparallel's monitor tells the hub at its next beat (100 ms later in a cluster),
+        # and none came; ours told it when the heart answered
+        assert result["heard"] is heard, (which, result)
+
+
 def test_a_cluster_runs_that_controller_and_its_ranks_work():
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig

@@ -274,6 +274,9 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
             odd = n // 3
             skipped = f"t = torch.ones(1)\nif nd.rank != {odd}:\n    dist.all_reduce(t)\n"
             verdict = time_to_verdict(c, skipped, f"rank {odd} finished the cell")
+            printed, printing = print_lines(c, n)
+            # the same lines printed by one process alone, right after (the cluster idle)
+            alone_all, alone_1000 = _printing_process(n * 1000), _printing_process(1000)
         finally:
             c.shutdown()
         return {
@@ -282,9 +285,23 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
             "cell_cpu_s": statistics.median(cpu),
             "gather_1MB_each_s": statistics.median(gather),
             "verdict_s": verdict,
+            "print_1000_lines_each_s": printed,
+            "rank_printing_s": printing,
+            "alone_printing_all_s": alone_all,
+            "alone_printing_1000_s": alone_1000,
         }
 
-    keys = ("start_s", "cell_s", "cell_cpu_s", "gather_1MB_each_s", "verdict_s")
+    keys = (
+        "start_s",
+        "cell_s",
+        "cell_cpu_s",
+        "gather_1MB_each_s",
+        "verdict_s",
+        "print_1000_lines_each_s",
+        "rank_printing_s",
+        "alone_printing_all_s",
+        "alone_printing_1000_s",
+    )
     out: dict = {}
     for n in sizes[1:]:
         small: dict[str, list[float]] = {k: [] for k in keys}
@@ -297,8 +314,59 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
         out[f"{n}_ranks"] = {
             **{k: summarize(big[k]) for k in keys},
             **{f"{k}_vs_2": ratio(big[k], small[k]) for k in keys},
+            **printing_alone(n, big),
         }
     return out
+
+
+PRINTING = (
+    "import time\n_t0 = time.perf_counter()\n"
+    "for i in range(1000):\n    print(f'r{nd.rank} line {i}')\n"
+    "time.perf_counter() - _t0"
+)
+
+
+def print_lines(cluster, n: int) -> tuple[float, float]:
+    """A cell in which every rank prints 1000 lines: seconds until the notebook has them
+    all (checked: whole, and in order per rank), and the slowest rank's own time in its
+    loop of prints."""
+    import io
+
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    r = cluster.run(PRINTING, out=out, raw_output=True)
+    wall = time.perf_counter() - t0
+    r.raise_for_errors()
+    lines = out.getvalue().splitlines()
+    for rank in range(n):
+        mine = [ln.split("] ", 1)[1] for ln in lines if ln.startswith(f"[rank {rank}] ")]
+        assert mine == [f"r{rank} line {i}" for i in range(1000)], (rank, len(mine))
+    return wall, max(dict(r.values).values())
+
+
+def printing_alone(n: int, ours: dict) -> dict:
+    """A cell of ``n`` ranks printing 1000 lines each against one Python process printing
+    the same lines alone (``n`` x 1000, to a pipe, timed by itself) right after it: the
+    lines a second of each, and a rank's own loop of prints against the same 1000 prints
+    alone (how much the notebook slows a rank that prints)."""
+    cell, alone = ours["print_1000_lines_each_s"], ours["alone_printing_all_s"]
+    return {
+        "alone_lines_per_s": n * 1000 / statistics.median(alone),
+        "lines_per_s": n * 1000 / statistics.median(cell),
+        "lines_per_s_vs_alone": ratio([1 / t for t in cell], [1 / t for t in alone]),
+        "rank_printing_vs_alone": ratio(ours["rank_printing_s"], ours["alone_printing_1000_s"]),
+    }
+
+
+def _printing_process(lines: int) -> float:
+    code = (
+        "import sys, time\nt0 = time.perf_counter()\n"
+        f"for i in range({lines}):\n    print(f'r0 line {{i}}')\n"
+        "sys.stdout.flush()\nsys.stderr.write(repr(time.perf_counter() - t0))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.count("\n") == lines
+    return float(r.stderr)
 
 
 def dispatch(cluster, shell, reps: int) -> dict:

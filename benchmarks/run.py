@@ -313,6 +313,14 @@ def main(argv=None) -> int:
                 if "verdict_s" in g
                 else ""
             )
+            + (
+                f"; 1000 lines printed by each rank {g['lines_per_s']:.0f} lines/s "
+                f"({g['lines_per_s_vs_alone']['pair_median']:.2f}x one process alone, "
+                f"{g['alone_lines_per_s']:.0f}/s), a rank's own prints "
+                f"{g['rank_printing_vs_alone']['pair_median']:.2f}x alone"
+                if "lines_per_s" in g
+                else ""
+            )
         )
     for n, g in results.get("growth", {}).items():
         print(

@@ -31,6 +31,12 @@ MORE_WORK_SHARE = 0.25
 # so little may be last by the scheduler's turns alone (Linux favours the thread that slept
 # in a collective, so the same rank keeps arriving last), and its code is not blamed
 MACHINE_NOISE = 1.5
+# ... but never when its cell thread was off the CPU (neither on one nor waiting for one)
+# outside its collectives for this share of what the others waited, beyond their own time
+# off it: a thread that sleeps, reads or waits on a lock is not runnable, and no machine
+# makes it so. Measured beside two burners: a rank sleeping 30 ms a step, 0.66-1.14 of the
+# others' wait; balanced and computing ranks, within 0.07 either way.
+OFF_CPU_SHARE = 0.5
 
 
 def length(intervals: list[tuple[int, int]]) -> int:
@@ -75,11 +81,12 @@ def analyze(
     unrecorded = [r for r in world if profiles[r].get("unrecorded")]
     found = None if unrecorded else _straggler(ranks, m)
     if found:
-        rank, fact, look = found
-        if held := _held_by_machine(ranks, rank):
+        rank, fact, line = found
+        off = _off_cpu_beyond_the_others(ranks, rank)
+        if off is None and (held := _held_by_machine(ranks, rank)):
             machine = f"{fact[0].upper()}{fact[1:]} But {held}"
         else:
-            verdict = f"{fact} {look}"
+            verdict = f"{fact} {_where_to_look(rank, line, off)}"
     return Profile(
         cell,
         world,
@@ -161,6 +168,9 @@ def _rank_time(r: int, p: dict, shift: int, waiting: list, t_min: int):
         cpu_wait_s=None if p.get("cpu_wait") is None else p["cpu_wait"] / 1e9,
         cpu_busy_s=None if p.get("cpu_busy") is None else p["cpu_busy"] / 1e9,
         process_wait_s=None if p.get("process_wait") is None else p["process_wait"] / 1e9,
+        off_cpu_s=None
+        if p.get("cpu_wait") is None or p.get("cpu_busy") is None
+        else (wall - length(exposed) - p["cpu_busy"] - p["cpu_wait"]) / 1e9,
     )
 
     def rel(intervals):
@@ -209,12 +219,47 @@ def _held_by_machine(ranks: dict[int, RankTime], late: int) -> str | None:
     runnable while it does, and one that computes more is more time on a CPU: their verdict
     stands. Where the kernel keeps no schedstat, so does every verdict."""
     others = [r for r in ranks if r != late]
-    if not others:
-        return None
-    waited = statistics.fmean(ranks[r].waiting_s for r in others)
+    waited = _waited_for(ranks, late)
     if waited <= 0:
         return None
     return _late_for_a_cpu(ranks, late, others, waited) or _busy_machine(ranks, late, waited)
+
+
+def _waited_for(ranks: dict[int, RankTime], late: int) -> float:
+    """How long the other ranks waited for ``late``, on average (0 where it is alone)."""
+    others = [ranks[r].waiting_s for r in ranks if r != late]
+    return statistics.fmean(others) if others else 0.0
+
+
+def _off_cpu_beyond_the_others(ranks: dict[int, RankTime], late: int) -> float | None:
+    """How much longer the last rank's cell thread was off the CPU outside its collectives
+    (asleep, reading, on a lock) than the others' were, where that explains a good part
+    (``OFF_CPU_SHARE``) of the others' wait for it; None otherwise, or without schedstat."""
+    others = [r for r in ranks if r != late]
+    if not others or any(ranks[r].off_cpu_s is None for r in ranks):
+        return None
+    beyond = ranks[late].off_cpu_s - statistics.fmean(ranks[r].off_cpu_s for r in others)
+    waited = _waited_for(ranks, late)
+    return beyond if waited > 0 and beyond >= OFF_CPU_SHARE * waited else None
+
+
+def _where_to_look(late: int, line: int | None, off: float | None) -> str:
+    """The verdict's advice: the line before which the last rank arrived late (or, for the
+    collectives torch issued itself, between them), and whether it waited there or computed."""
+    if line is not None:
+        where = f"before line {line}"
+    else:
+        where = f"between its collectives{_TORCH_ISSUED}"
+    if off is None:
+        return f"Look at what rank {late} {'does' if line is not None else 'computes'} {where}."
+    return (
+        f"Rank {late}'s cell thread spent {off:.2f} s more than the others' off the CPU outside "
+        "collectives, neither computing nor waiting for a CPU: it slept, read data or waited "
+        f"on a lock. Look at what rank {late} waits for {where}."
+    )
+
+
+_TORCH_ISSUED = " (torch issued these itself, as DDP does inside backward())"
 
 
 def _late_for_a_cpu(ranks: dict[int, RankTime], late: int, others: list[int], waited: float):
@@ -248,8 +293,9 @@ def _busy_machine(ranks: dict[int, RankTime], late: int, waited: float) -> str |
 _QUIETER = "Profile again on a quieter machine, or with fewer ranks per machine."
 
 
-def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, str] | None:
-    """The rank that held the others back, what it cost them, and where to look."""
+def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, int | None] | None:
+    """The rank that held the others back, what it cost them, and the cell line it was late
+    at most often (None where torch issued the collectives itself)."""
     matched, last_count, late_ns, late_lines = m.matched, m.last_count, m.late_ns, m.late_lines
     if matched < 3 or not last_count:
         return None
@@ -257,7 +303,7 @@ def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, str]
     if times < STRAGGLER_SHARE * matched:
         return None
     others = [r for r in ranks if r != rank]
-    waited = statistics.fmean(ranks[r].waiting_s for r in others)
+    waited = _waited_for(ranks, rank)
     wall = statistics.fmean(ranks[r].wall_s for r in others) or 1e-9
     if waited < STRAGGLER_COST * wall:
         return None
@@ -274,12 +320,5 @@ def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, str]
         f"{statistics.fmean(late_ns[rank]) / 1e6:.0f} ms late on average: {who} waited "
         f"{waited:.1f} s{' each' if len(others) > 1 else ''} ({100 * waited / wall:.0f}% of the cell)."
     )
-    if late_lines[rank]:
-        line = late_lines[rank].most_common(1)[0][0]
-        return rank, fact, f"Look at what rank {rank} does before line {line}."
-    return (
-        rank,
-        fact,
-        f"Look at what rank {rank} computes between its collectives (torch issued these "
-        "itself, as DDP does inside backward()).",
-    )
+    line = late_lines[rank].most_common(1)[0][0] if late_lines[rank] else None
+    return rank, fact, line

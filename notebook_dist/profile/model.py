@@ -22,6 +22,9 @@ class RankTime:
     cpu_busy_s: float | None = None
     # every thread of its process (Gloo's and torch's too), waiting for a CPU, summed (Linux)
     process_wait_s: float | None = None
+    # the cell's thread neither on a CPU nor waiting for one, outside the communication it
+    # waited on: asleep, reading, on a lock (Linux)
+    off_cpu_s: float | None = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -90,11 +91,6 @@ def _schedstat_at(path: str) -> tuple[int, int] | None:
         return None
 
 
-def schedstat() -> tuple[int, int] | None:
-    """The calling thread's schedstat (time on a CPU, time waiting for one, ns)."""
-    return _schedstat_at("/proc/thread-self/schedstat")
-
-
 def threads_schedstat() -> dict[str, tuple[int, int]] | None:
     """The schedstat of every thread of this process, by thread id: the cell's thread and
     those that run for it (Gloo's, torch's, the engine's). None where the kernel does not
@@ -131,14 +127,14 @@ class CellProfile:
         # spans the cell on the main thread: how the profiler numbers that thread
         self.mark = torch.autograd.profiler.record_function(MARK)
         self.t_start = self.t_end = 0
-        self.sched: list[tuple[int, int] | None] = []
+        self.tid = ""  # the cell's thread, which enters and exits this
         self.threads: list[dict[str, tuple[int, int]] | None] = []
 
     def __enter__(self) -> CellProfile:
         self.prof.__enter__()
         self.mark.__enter__()
         self.t_start = time.time_ns()
-        self.sched = [schedstat()]
+        self.tid = str(threading.get_native_id())
         self.threads = [threads_schedstat()]
         return self
 
@@ -146,7 +142,6 @@ class CellProfile:
         if self.cuda:
             sys.modules["torch"].cuda.synchronize()
         self.t_end = time.time_ns()
-        self.sched.append(schedstat())
         self.threads.append(threads_schedstat())
         self.mark.__exit__(None, None, None)
         self.prof.__exit__(None, None, None)
@@ -189,7 +184,7 @@ class CellProfile:
             "busy": union([(s, e) for s, e in busy if e > s]),
             "trace": trace[:MAX_EVENTS],
             "cuda": self.cuda,
-            **_spent(self.sched),
+            **_spent([(t or {}).get(self.tid) for t in self.threads]),
             **_spent_by_threads(self.threads),
             "clock": clock_id(),
             "aligned": self.aligned,

@@ -251,7 +251,7 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
 
-    def measure(n: int) -> dict:
+    def measure(n: int, alone: bool) -> dict:
         t0 = time.perf_counter()
         c = DistCluster(n=n, config=DistConfig(spare_engines=0)).start()
         start = time.perf_counter() - t0
@@ -275,11 +275,20 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
             skipped = f"t = torch.ones(1)\nif nd.rank != {odd}:\n    dist.all_reduce(t)\n"
             verdict = time_to_verdict(c, skipped, f"rank {odd} finished the cell")
             printed, printing = print_lines(c, n)
-            # the same lines printed by one process alone, right after (the cluster idle)
-            alone_all, alone_1000 = _printing_process(n * 1000), _printing_process(1000)
+            # the same lines printed by one process alone, right after (the cluster idle);
+            # at the larger size only: against 2 ranks it would be compared with itself
+            by_itself = (
+                {
+                    "alone_printing_all_s": _printing_process(n * 1000),
+                    "alone_printing_1000_s": _printing_process(1000),
+                }
+                if alone
+                else {}
+            )
         finally:
             c.shutdown()
         return {
+            **by_itself,
             "start_s": start,
             "cell_s": statistics.median(wall),
             "cell_cpu_s": statistics.median(cpu),
@@ -287,8 +296,6 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
             "verdict_s": verdict,
             "print_1000_lines_each_s": printed,
             "rank_printing_s": printing,
-            "alone_printing_all_s": alone_all,
-            "alone_printing_1000_s": alone_1000,
         }
 
     keys = (
@@ -299,20 +306,19 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
         "verdict_s",
         "print_1000_lines_each_s",
         "rank_printing_s",
-        "alone_printing_all_s",
-        "alone_printing_1000_s",
     )
+    alone_keys = ("alone_printing_all_s", "alone_printing_1000_s")
     out: dict = {}
     for n in sizes[1:]:
         small: dict[str, list[float]] = {k: [] for k in keys}
-        big: dict[str, list[float]] = {k: [] for k in keys}
+        big: dict[str, list[float]] = {k: [] for k in keys + alone_keys}
         for i in range(reps):
             for which in [small, big] if i % 2 == 0 else [big, small]:
-                got = measure(2 if which is small else n)
-                for k in keys:
+                got = measure(2 if which is small else n, alone=which is big)
+                for k in got:
                     which[k].append(got[k])
         out[f"{n}_ranks"] = {
-            **{k: summarize(big[k]) for k in keys},
+            **{k: summarize(big[k]) for k in keys + alone_keys},
             **{f"{k}_vs_2": ratio(big[k], small[k]) for k in keys},
             **printing_alone(n, big),
         }

@@ -185,6 +185,67 @@ def test_the_controller_registers_an_engine_when_its_heart_first_answers():
         assert result["heard"] is heard, (which, result)
 
 
+_FIRST_PING = """
+import json, sys, threading, time, zmq
+from ipyparallel.controller import heartmonitor
+if sys.argv[1] == "ours":
+    from notebook_dist.runtime.controller import new_hearts_at_once, ping_new_hearts
+    new_hearts_at_once(heartmonitor)
+    ping_new_hearts(heartmonitor)
+monitor_class = heartmonitor.HeartMonitor
+start, where = monitor_class.start, {}
+
+def start_and_say_where(self):  # (the monitor's thread) started: where it bound its sockets
+    start(self)
+    for name in ("ping", "pong"):
+        where[name] = getattr(self, name + "_stream").socket.getsockopt(zmq.LAST_ENDPOINT)
+
+monitor_class.start = start_and_say_where
+ctx = zmq.Context()
+hub = ctx.socket(zmq.SUB)  # the hub's end of the monitor's messages
+hub.subscribe(b"")
+hub_port = hub.bind_to_random_port("tcp://127.0.0.1")
+any_port = "tcp://127.0.0.1:*"
+threading.Thread(  # ipyparallel's own set-up, as the controller runs it, with a long beat
+    target=heartmonitor.start_heartmonitor,
+    args=(any_port, any_port, f"tcp://127.0.0.1:{hub_port}"),
+    kwargs={"period": 60_000},
+    daemon=True,
+).start()
+while len(where) < 2:  # the monitor starts once the hub has subscribed to it
+    hub.poll(10)
+heart_in, heart_out = ctx.socket(zmq.SUB), ctx.socket(zmq.DEALER)
+heart_in.subscribe(b"")
+heart_out.identity = b"an-engines-heart"
+heart_in.connect(where["ping"].decode())
+heart_out.connect(where["pong"].decode())
+pinged = bool(heart_in.poll(3000))
+heard = False
+if pinged:
+    heart_out.send(heart_in.recv())  # the heart's answer, as ipyparallel's Heart echoes
+    heard = bool(hub.poll(10_000)) and b"new_heart" in b"".join(hub.recv_multipart())
+print(json.dumps({"pinged": pinged, "heard": heard}), flush=True)
+"""
+
+
+def test_the_controller_pings_a_heart_when_it_connects():
+    import json
+
+    for which, pinged in (("ours", True), ("theirs", False)):
+        out = subprocess.run(
+            [sys.executable, "-c", _FIRST_PING, which],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout.splitlines()[-1])
+        # the monitor beats every 60 s here: ipyparallel's first ping would come then; ours
+        # came when the heart subscribed, and its answer registered the engine at once
+        assert result == {"pinged": pinged, "heard": pinged}, (which, result)
+
+
 def test_a_cluster_runs_that_controller_and_its_ranks_work():
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig

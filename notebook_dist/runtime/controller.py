@@ -13,9 +13,10 @@ With the fork server started ahead (``%load_ext``), the controller's start is mo
   the hub's start is changed, and a controller without that pause starts as before.
 
 Each engine then registers once the controller's heart monitor has heard its heart; the
-monitor tells the hub of new hearts at its beat, so a heart that answered a ping waited one
-more heartbeat period (100 ms) to count. Here the monitor tells the hub as soon as a new
-heart answers. (The monitor is a process forked from the controller, as multiprocessing
+monitor pings every heart at its beat, and tells the hub of new hearts at the beat after, so
+a new heart waited up to one heartbeat period (100 ms) for its first ping and one more for
+its answer to count. Here the monitor pings a heart as soon as it connects, and tells the
+hub as soon as a new heart answers. (The monitor is a process forked from the controller, as multiprocessing
 starts processes on Linux up to Python 3.13; started otherwise, it runs unchanged.)
 """
 
@@ -68,6 +69,42 @@ def new_hearts_at_once(heartmonitor) -> None:
     monitor.handle_pong = handle_pong_at_once
 
 
+class _PingsToSubscribers:
+    """The ``zmq`` module as the heart monitor's set-up sees it: its ping socket, asked
+    for as a PUB, is an XPUB, which sends as a PUB does and also hears each subscription."""
+
+    def __getattr__(self, name: str):
+        import zmq
+
+        return zmq.XPUB if name == "PUB" else getattr(zmq, name)
+
+
+def ping_new_hearts(heartmonitor) -> None:
+    """``heartmonitor`` pinging each heart as it subscribes, not at the next beat: an
+    engine's heart otherwise waits up to one heartbeat period (100 ms) for its first ping.
+    With :func:`new_hearts_at_once`, an engine registers one round trip after its heart
+    connects. The pings at each beat, and how answers count, are unchanged."""
+    import zmq
+
+    heartmonitor.zmq = _PingsToSubscribers()
+    monitor = heartmonitor.HeartMonitor
+    start = monitor.start
+
+    def start_pinging_subscribers(self):
+        socket = self.ping_stream.socket
+        if socket.type == zmq.XPUB:
+            socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every heart's subscription, not the first
+
+            def subscribed(msg):
+                if msg and msg[0][:1] == b"\x01":  # (an unsubscription starts with 0)
+                    self.ping_stream.send(str(self.lifetime).encode("ascii"))
+
+            self.ping_stream.on_recv(subscribed)
+        start(self)
+
+    monitor.start = start_pinging_subscribers
+
+
 def main() -> None:
     from .imports import frozen_after
 
@@ -77,6 +114,7 @@ def main() -> None:
     without_pause(app)
     # (the heart monitor is a process forked from this one, the class as patched here)
     new_hearts_at_once(heartmonitor)
+    ping_new_hearts(heartmonitor)
     app.main()
 
 

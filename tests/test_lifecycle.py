@@ -154,23 +154,23 @@ def test_an_engine_whose_registration_notice_the_client_missed_still_joins(monke
 
 
 def test_a_start_whose_engines_never_register_keeps_their_logs(monkeypatch):
-    """Engines the client never hears of (every notice lost, and the controller not asked):
-    the start fails after its timeout, and says where the engines' logs are kept, a copy
-    made before the cluster's folder and the engines' own logs are removed."""
+    """Engines the client never hears of (every route by which it learns of engines closed:
+    the list it gets as it connects, each notice, and the controller asked again): the
+    start fails after its timeout, and says where the engines' logs are kept, a copy made
+    before the cluster's folder and the engines' own logs are removed."""
     import re
     import shutil
 
     import ipyparallel as ipp
 
     from notebook_dist import DistCluster
-    from notebook_dist.cluster import processes
     from notebook_dist.cluster.forks import end_ahead
     from notebook_dist.config import DistConfig
     from notebook_dist.errors import ClusterError
 
     end_ahead()  # (one started ahead would have engines registered before the client asks)
-    monkeypatch.setattr(ipp.Client, "_register_engine", lambda self, msg: None)
-    monkeypatch.setattr(processes, "sync_registered", lambda client: None)
+    # (an engine registered before the client connected comes in the connection's reply)
+    monkeypatch.setattr(ipp.Client, "_update_engines", lambda self, engines: None)
     with pytest.raises(ClusterError) as got:
         DistCluster(n=2, config=DistConfig(spare_engines=0, start_timeout_s=8)).start()
     where = re.search(r"their logs are kept in (\S+)", str(got.value))

@@ -151,12 +151,15 @@ def test_an_engine_that_cannot_join_the_lane_is_served_through_the_queue():
         assert _completed(c) - before == 6
 
 
-def test_a_cell_takes_the_express_route_and_its_output_is_whole():
+def test_a_cell_takes_the_express_route_and_its_output_is_whole(tmp_path):
     """Cells go by the express route (nothing through the controller's queue, nothing left
     pending or in the client's records afterwards); a rank's output, on both streams, is
     all in when the cell ends, and a cell that wrote nothing still returns every rank's
     value."""
     import io
+    import os
+
+    from conftest import wait_until
 
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
@@ -183,6 +186,24 @@ def test_a_cell_takes_the_express_route_and_its_output_is_whole():
         assert _completed(c) - before == 0  # not one request through the queue
         assert not lane.pending
         assert set(client.metadata) <= records  # each cell's records were dropped
+        # output that comes after its cell is over (a thread's, written while no cell
+        # runs: parented on the cell that was current) does not bring the record back
+        go, said = tmp_path / "go", tmp_path / "said"
+        c.run(
+            "import os, sys, threading, time\n"
+            "def late():\n"
+            f"    while not os.path.exists({str(go)!r}):\n"
+            "        time.sleep(0.01)\n"
+            "    print('late', flush=True)\n"
+            f"    open({str(said)!r} + str(nd.rank), 'w').close()\n"
+            "threading.Thread(target=late).start()"
+        )
+        go.touch()
+        assert wait_until(lambda: all(os.path.exists(f"{said}{r}") for r in (0, 1)), 30)
+        out = io.StringIO()
+        c.run("print('next')", out=out)  # its 'idle' comes after the late line
+        assert out.getvalue().count("next") == 2
+        assert set(client.metadata) <= records
 
 
 def test_an_express_request_not_signed_with_the_clusters_key_is_not_run(tmp_path):

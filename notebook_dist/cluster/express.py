@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict, defaultdict
 
 
 class ExpressError(Exception):
@@ -72,6 +73,42 @@ class OutputDone:
         return self._done or event.wait(timeout)
 
 
+class Records(defaultdict):
+    """The client's ``metadata``, which its IOPub handler fills on the client's IO thread,
+    making an entry for any request it has not seen. An express call's entries are dropped
+    when it is over (:meth:`forget`), on another thread; output for it that comes later (a
+    background thread's write, parented on the call that was current) fills a record that
+    is not kept, rather than making the entry again."""
+
+    #: how many forgotten requests are remembered as such
+    KEEP = 4096
+
+    def __init__(self, factory, entries=()):
+        super().__init__(factory, entries)
+        self._forgotten: OrderedDict[str, None] = OrderedDict()
+
+    def __missing__(self, msg_id):
+        if msg_id in self._forgotten:
+            return self.default_factory()
+        return super().__missing__(msg_id)
+
+    def forget(self, msg_ids) -> None:
+        forgotten = self._forgotten
+        for m in msg_ids:  # marked before the entry goes: the IO thread sees one or the other
+            forgotten[m] = None
+            self.pop(m, None)
+        while len(forgotten) > self.KEEP:
+            forgotten.popitem(last=False)
+
+    @classmethod
+    def install(cls, client) -> Records:
+        """The client's metadata, made a :class:`Records` (what it holds is kept)."""
+        metadata = client.metadata
+        if not isinstance(metadata, cls):
+            metadata = client.metadata = cls(metadata.default_factory, metadata)
+        return metadata
+
+
 class ExpressResult:
     """The ranks' replies to one express call, in the order of the engines asked."""
 
@@ -112,9 +149,8 @@ class ExpressResult:
     def forget(self) -> None:
         """The call is over: what the client and the lane keep for it is dropped (a reply
         that comes later is ignored)."""
-        pending = self._lane.pending
-        metadata, futures = self._lane.client.metadata, self._lane.client._output_futures
+        pending, futures = self._lane.pending, self._lane.client._output_futures
         for reply in self._children:
             pending.pop(reply.msg_id, None)
             futures.pop(reply.msg_id, None)
-            metadata.pop(reply.msg_id, None)
+        self._lane.records.forget(self.msg_ids)

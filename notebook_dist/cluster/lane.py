@@ -34,7 +34,7 @@ import time
 import uuid
 
 from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, REQUEST, Seal
-from .express import ExpressError, ExpressResult
+from .express import ExpressError, ExpressResult, Records
 
 log = logging.getLogger("notebook_dist")
 
@@ -65,6 +65,7 @@ class Lane:
         self._express = xs
         self.express_ready: set[str] = set()  # engine uuids that said hello on it
         self.pending: dict[str, object] = {}  # msg_id -> its express Reply
+        self.records = Records.install(client)
         self._seal = Seal(client.session)
 
     def _on_io_loop(self, call, timeout: float = 10.0):

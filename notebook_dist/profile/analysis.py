@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from ..bandwidth import busbw, size_of
@@ -79,14 +80,13 @@ def analyze(
     verdict = machine = None
     # where nothing could be matched, no rank can be called late
     unrecorded = [r for r in world if profiles[r].get("unrecorded")]
-    found = None if unrecorded else _straggler(ranks, m)
-    if found:
-        rank, fact, line = found
-        off = _off_cpu_beyond_the_others(ranks, rank)
-        if off is None and (held := _held_by_machine(ranks, rank)):
-            machine = f"{fact[0].upper()}{fact[1:]} But {held}"
+    late = None if unrecorded else _straggler(ranks, m)
+    if late:
+        off = _off_cpu_beyond_the_others(ranks, late)
+        if off is None and (held := _held_by_machine(ranks, late)):
+            machine = f"{late.fact[0].upper()}{late.fact[1:]} But {held}"
         else:
-            verdict = f"{fact} {_where_to_look(rank, line, off)}"
+            verdict = f"{late.fact} {_where_to_look(late, off)}"
     return Profile(
         cell,
         world,
@@ -211,18 +211,27 @@ def clock_shifts(profiles: dict[int, dict[str, Any]], offsets: dict[int, int]) -
     return shift
 
 
-def _held_by_machine(ranks: dict[int, RankTime], late: int) -> str | None:
+@dataclass(frozen=True)
+class _Late:
+    """The rank that held the others back, as :func:`_straggler` found it."""
+
+    rank: int
+    others: list[int]
+    waited: float  # how long the others waited for it, on average (s)
+    fact: str  # what it cost them, in words
+    line: int | None  # the cell line it was late at most often (None: torch issued them)
+
+
+def _held_by_machine(ranks: dict[int, RankTime], late: _Late) -> str | None:
     """Why the last rank was last, when the machine is the reason. Either the cell's thread
     on it sat runnable, waiting for a CPU, for a good part of the time the others waited
     for it, and it did no more work than they did; or the ranks' processes waited for a
     CPU about as long as the others waited for it. A rank that sleeps or reads data is not
     runnable while it does, and one that computes more is more time on a CPU: their verdict
     stands. Where the kernel keeps no schedstat, so does every verdict."""
-    others = [r for r in ranks if r != late]
-    waited = _waited_for(ranks, late)
-    if waited <= 0:
+    if late.waited <= 0:
         return None
-    return _late_for_a_cpu(ranks, late, others, waited) or _busy_machine(ranks, late, waited)
+    return _late_for_a_cpu(ranks, late) or _busy_machine(ranks, late)
 
 
 def _waited_for(ranks: dict[int, RankTime], late: int) -> float:
@@ -231,69 +240,70 @@ def _waited_for(ranks: dict[int, RankTime], late: int) -> float:
     return statistics.fmean(others) if others else 0.0
 
 
-def _off_cpu_beyond_the_others(ranks: dict[int, RankTime], late: int) -> float | None:
+def _off_cpu_beyond_the_others(ranks: dict[int, RankTime], late: _Late) -> float | None:
     """How much longer the last rank's cell thread was off the CPU outside its collectives
     (asleep, reading, on a lock) than the others' were, where that explains a good part
     (``OFF_CPU_SHARE``) of the others' wait for it; None otherwise, or without schedstat."""
-    others = [r for r in ranks if r != late]
-    if not others or any(ranks[r].off_cpu_s is None for r in ranks):
+    if not late.others or any(ranks[r].off_cpu_s is None for r in ranks):
         return None
-    beyond = ranks[late].off_cpu_s - statistics.fmean(ranks[r].off_cpu_s for r in others)
-    waited = _waited_for(ranks, late)
-    return beyond if waited > 0 and beyond >= OFF_CPU_SHARE * waited else None
+    theirs = statistics.fmean(ranks[r].off_cpu_s for r in late.others)
+    beyond = ranks[late.rank].off_cpu_s - theirs
+    return beyond if late.waited > 0 and beyond >= OFF_CPU_SHARE * late.waited else None
 
 
-def _where_to_look(late: int, line: int | None, off: float | None) -> str:
+def _where_to_look(late: _Late, off: float | None) -> str:
     """The verdict's advice: the line before which the last rank arrived late (or, for the
     collectives torch issued itself, between them), and whether it waited there or computed."""
+    rank, line = late.rank, late.line
     if line is not None:
         where = f"before line {line}"
     else:
         where = f"between its collectives{_TORCH_ISSUED}"
     if off is None:
-        return f"Look at what rank {late} {'does' if line is not None else 'computes'} {where}."
+        return f"Look at what rank {rank} {'does' if line is not None else 'computes'} {where}."
     return (
-        f"Rank {late}'s cell thread spent {off:.2f} s more than the others' off the CPU outside "
+        f"Rank {rank}'s cell thread spent {off:.2f} s more than the others' off the CPU outside "
         "collectives, neither computing nor waiting for a CPU: it slept, read data or waited "
-        f"on a lock. Look at what rank {late} waits for {where}."
+        f"on a lock. Look at what rank {rank} waits for {where}."
     )
 
 
 _TORCH_ISSUED = " (torch issued these itself, as DDP does inside backward())"
 
 
-def _late_for_a_cpu(ranks: dict[int, RankTime], late: int, others: list[int], waited: float):
+def _late_for_a_cpu(ranks: dict[int, RankTime], late: _Late) -> str | None:
     if any(ranks[r].cpu_wait_s is None or ranks[r].cpu_busy_s is None for r in ranks):
         return None
-    more_wait = ranks[late].cpu_wait_s - statistics.fmean(ranks[r].cpu_wait_s for r in others)
-    more_work = ranks[late].cpu_busy_s - statistics.fmean(ranks[r].cpu_busy_s for r in others)
+    rank, others, waited = late.rank, late.others, late.waited
+    more_wait = ranks[rank].cpu_wait_s - statistics.fmean(ranks[r].cpu_wait_s for r in others)
+    more_work = ranks[rank].cpu_busy_s - statistics.fmean(ranks[r].cpu_busy_s for r in others)
     if more_wait < MACHINE_SHARE * waited or more_work >= MORE_WORK_SHARE * waited:
         return None
     theirs = ", ".join(f"rank {r}: {ranks[r].cpu_wait_s:.2f} s" for r in others)
     return (
-        f"rank {late} itself waited {ranks[late].cpu_wait_s:.2f} s for a CPU ({theirs}), and "
+        f"rank {rank} itself waited {ranks[rank].cpu_wait_s:.2f} s for a CPU ({theirs}), and "
         "computed no more than the others: the machine runs more busy processes than it has "
         f"cores, and that, not the code, held it back. {_QUIETER}"
     )
 
 
-def _busy_machine(ranks: dict[int, RankTime], late: int, waited: float) -> str | None:
+def _busy_machine(ranks: dict[int, RankTime], late: _Late) -> str | None:
     if any(ranks[r].process_wait_s is None for r in ranks):
         return None
     machine = statistics.fmean(ranks[r].process_wait_s for r in ranks)
-    if waited > MACHINE_NOISE * machine:
+    if late.waited > MACHINE_NOISE * machine:
         return None
     return (
         f"each rank's threads waited {machine:.2f} s for a CPU on average, about as long: "
         "the machine runs more busy processes than it has cores, and it alone can keep one "
-        f"rank last by this much, so rank {late}'s code is not blamed. {_QUIETER}"
+        f"rank last by this much, so rank {late.rank}'s code is not blamed. {_QUIETER}"
     )
 
 
 _QUIETER = "Profile again on a quieter machine, or with fewer ranks per machine."
 
 
-def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, int | None] | None:
+def _straggler(ranks: dict[int, RankTime], m: _Matching) -> _Late | None:
     """The rank that held the others back, what it cost them, and the cell line it was late
     at most often (None where torch issued the collectives itself)."""
     matched, last_count, late_ns, late_lines = m.matched, m.last_count, m.late_ns, m.late_lines
@@ -321,4 +331,4 @@ def _straggler(ranks: dict[int, RankTime], m: _Matching) -> tuple[int, str, int 
         f"{waited:.1f} s{' each' if len(others) > 1 else ''} ({100 * waited / wall:.0f}% of the cell)."
     )
     line = late_lines[rank].most_common(1)[0][0] if late_lines[rank] else None
-    return rank, fact, line
+    return _Late(rank, others, waited, fact, line)

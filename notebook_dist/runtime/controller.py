@@ -16,8 +16,9 @@ Each engine then registers once the controller's heart monitor has heard its hea
 monitor pings every heart at its beat, and tells the hub of new hearts at the beat after, so
 a new heart waited up to one heartbeat period (100 ms) for its first ping and one more for
 its answer to count. Here the monitor pings a heart as soon as it connects, and tells the
-hub as soon as a new heart answers. (The monitor is a process forked from the controller, as multiprocessing
-starts processes on Linux up to Python 3.13; started otherwise, it runs unchanged.)
+hub as soon as a new heart answers. (The monitor is a process forked from the controller,
+as multiprocessing starts processes on Linux up to Python 3.13; started otherwise, it runs
+unchanged.)
 """
 
 from __future__ import annotations

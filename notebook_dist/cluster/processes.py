@@ -86,6 +86,14 @@ class Processes:
         controller = self._record(cluster.controller, "controller")
         if controller is not None:
             self.reaper.watch(controller, anchor=True)
+        # the client connects, and imports what its first call needs, while the fork server
+        # still imports torch (engines that register before it connects are in its list)
+        self.client = client = cluster.connect_client_sync()
+        if self.config.direct_lane and self.config.loopback_only and not launcher.remote:
+            from .lane import Lane
+
+            self.lane = Lane(client, "127.0.0.1")
+        prepare_first_call()
         try:
             engine_set_id = cluster.start_engines_sync(n)
         except Exception as exc:
@@ -99,11 +107,6 @@ class Processes:
             proc = self._record(el, "engine")
             if proc is not None:
                 self.reaper.watch(proc)
-        self.client = client = cluster.connect_client_sync()
-        if self.config.direct_lane and self.config.loopback_only and not launcher.remote:
-            from .lane import Lane
-
-            self.lane = Lane(client, "127.0.0.1")
         wait_registered(
             self, n, lambda: launcher.check_starting(engine_set, launchers, len(client.ids), n)
         )
@@ -397,8 +400,6 @@ def wait_registered(processes: Processes, n: int, check_starting) -> None:
     client, timeout_s = processes.client, processes.config.start_timeout_s
     deadline = time.monotonic() + timeout_s
     next_sync = time.monotonic() + 1.0
-    if len(client.ids) < n:  # while the engines register
-        prepare_first_call()
     while len(client.ids) < n:
         check_starting()
         if time.monotonic() > next_sync:
@@ -414,8 +415,8 @@ def wait_registered(processes: Processes, n: int, check_starting) -> None:
 
 def prepare_first_call() -> None:
     """What the client's first call imports (ipyparallel's serialization imports numpy to
-    know its arrays, about 0.1 s here), imported now, while the engines register, rather
-    than on the way to the ranks' group."""
+    know its arrays, about 0.1 s here), imported while the engines start, rather than on
+    the way to the ranks' group."""
     from ipyparallel.serialize import canning
 
     canning.can(None)

@@ -35,6 +35,10 @@ def test_ranks_are_forked_from_one_server_and_nothing_outlives_the_cluster(monke
         # an engine), torch already there, the kernel's environment as it was at the fork
         assert dict(r.values) == {k: (server.pid, True, True, "from the kernel") for k in range(3)}
         assert all(c.processes.rank_procs[k].leads_group for k in range(3))
+        # the server kept debugpy out of its imports (ipykernel's Jupyter debugger, which
+        # no engine serves), not out of reach: a cell imports it
+        r = c.run("was = 'debugpy' in sys.modules\nimport debugpy\n(was, debugpy.__name__)")
+        assert not r.errors and dict(r.values) == {k: (False, "debugpy") for k in range(3)}
         pids = [rk.pid for rk in c.ranks] + [server.pid]
     assert wait_until(lambda: not pids_alive(pids), 10), pids_alive(pids)
 

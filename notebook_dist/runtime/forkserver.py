@@ -47,7 +47,7 @@ PREIMPORTS = (
     "torch.distributed",
     "ipyparallel.engine.app",
     "ipykernel.ipkernel",
-    "ipykernel.debugger",  # debugpy: about 0.2 s
+    "ipykernel.debugger",  # without debugpy: see NOT_IMPORTED
     "IPython.core.completerlib",
     "IPython.extensions.storemagic",
     "sqlite3",  # the shell's history
@@ -73,17 +73,31 @@ PREIMPORTS = (
 ESSENTIAL = ("torch", "torch.distributed", "ipyparallel.engine.app")
 
 
+#: kept out of the imports: ipykernel's Jupyter debugger imports debugpy (0.1 s here) to
+#: serve a frontend's debug requests, which no engine is sent (a rank's debugger is
+#: notebook_dist's own); a cell can still import debugpy
+NOT_IMPORTED = ("debugpy",)
+
+
 def preimport() -> list[str]:
-    """:data:`PREIMPORTS`; the essential ones that failed, with why."""
+    """:data:`PREIMPORTS`, without :data:`NOT_IMPORTED`; the essential ones that failed,
+    with why."""
     import importlib
 
     failed = []
-    for name in PREIMPORTS:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:
-            if name in ESSENTIAL:
-                failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    hidden = [name for name in NOT_IMPORTED if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(hidden))  # (None: an ImportError to whoever asks)
+    try:
+        for name in PREIMPORTS:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:
+                if name in ESSENTIAL:
+                    failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
     return failed + cuda_started()
 
 

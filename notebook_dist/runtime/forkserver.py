@@ -121,6 +121,11 @@ def later_imports() -> None:
     assert not cuda_started(), "CUDA was initialised while importing"
 
 
+#: how often the server looks for ended engines without a wake-up (a safety net: every
+#: SIGCHLD wakes it at once)
+REAP_EVERY_S = 1.0
+
+
 def main() -> None:
     commands, answers = _private_pipes()
     name_process(b"nd-fork-server")
@@ -138,10 +143,13 @@ def main() -> None:
     say({"ready": os.getpid()})
     pending = b""
     while True:
-        readable, _, _ = select.select([commands, wake_r], [], [])
-        _reap(say)
+        readable, _, _ = select.select([commands, wake_r], [], [], REAP_EVERY_S)
+        # the wake-ups are taken before the exits: an engine that ends after this read
+        # leaves a byte for the next select (read after the reap, it could be taken
+        # unseen, and that engine's end said only at the next request)
         if wake_r in readable:
             os.read(wake_r, 4096)
+        _reap(say)
         if commands not in readable:
             continue
         data = os.read(commands, 65536)

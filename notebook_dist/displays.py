@@ -24,6 +24,17 @@ def in_kernel() -> bool:
     return getattr(get_ipython(), "kernel", None) is not None
 
 
+def cell_request() -> dict | None:
+    """The request of the notebook cell this kernel runs now (None outside a kernel)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    kernel = getattr(get_ipython(), "kernel", None)
+    get_parent = getattr(kernel, "get_parent", None)
+    return get_parent("shell") or None if get_parent is not None else None
+
+
 class DisplayRelay:
     def __init__(self, put_text: Callable[[int, list[str]], None]):
         self.put_text = put_text  # (rank, lines): a display's text, outside a kernel

@@ -25,7 +25,9 @@ import os
 import re
 import sys
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from .displays import DisplayRelay
@@ -184,6 +186,11 @@ class OutputStreamer:
         if lines:
             self._put(ranks, name, lines)
 
+    def late_output(self, request: dict | None = None) -> Callable[[int, str, str], None]:
+        """Where the i-th rank's output goes when it comes after the cell ended
+        (:func:`late_output`)."""
+        return late_output(self.ranks, self.out, self.err, request)
+
     def _put(self, ranks: list[int], name: str, lines: list[str]) -> None:
         prefix = f"[{rank_list(ranks)}] "
         stream = self._stream(name)
@@ -319,3 +326,44 @@ def in_order(md: dict) -> list[tuple[str, int]] | None:
     object.__setattr__(md, "__class__", in_order_class)
     order.extend((name, (md[name] or "").rfind("\n") + 1) for name in STREAMS)
     return order
+
+
+def late_output(
+    ranks: list[int], out: TextIO | None, err: TextIO | None, request: dict | None = None
+) -> Callable[[int, str, str], None]:
+    """Where the i-th rank's output goes when it comes after its cell ended (a thread of
+    the rank's writing while no cell runs): ``late(i, stream, text)`` writes it to the
+    cell's streams as that rank's lines, unfolded. In a kernel, ``request`` (the notebook
+    cell's) shows them under the cell that ran, as Jupyter shows a thread's output under
+    the cell that started it. Called on the client's IO thread; it keeps the cell's own
+    streams only while someone else does (the lane remembers it for many cells)."""
+    ranks = list(ranks)
+    refs = {"stdout": _weak(out), "stderr": _weak(err)}
+
+    def late(i: int, name: str, text: str) -> None:
+        ref = refs[name]
+        stream = ref() if ref is not None else getattr(sys, name)
+        if stream is None:
+            return  # (the cell's own stream, since dropped)
+        prefix = f"[{rank_list([ranks[i]])}] "
+        lines = "".join(f"{prefix}{line}\n" for line in text.splitlines())
+        if request is not None and hasattr(stream, "set_thread_parent"):  # ipykernel's
+            token = stream.set_thread_parent(request)
+            try:
+                stream.write(lines)  # (held under the request until it is sent)
+            finally:
+                stream.reset_thread_parent(token)
+        else:
+            stream.write(lines)
+        stream.flush()  # before whatever the rank sent after it
+
+    return late
+
+
+def _weak(stream: TextIO | None) -> Callable[[], TextIO | None] | None:
+    if stream is None:
+        return None
+    try:
+        return weakref.ref(stream)
+    except TypeError:  # (a stream that cannot be referred to weakly: kept)
+        return lambda: stream

@@ -231,7 +231,9 @@ def kernel(tmp_path_factory):
     next answer ("c" when they run out), and returns (everything the cell showed, the
     prompts it asked, the error name or None); ``messages`` (a list) also gets each output
     message as (type, stream name or display id, text, the display's data);
-    ``answer_after_s``: how long each answer takes."""
+    ``answer_after_s``: how long each answer takes. ``run.ids`` lists the cells' message ids
+    in order, and ``run.elsewhere`` gets (message id, stream name, text) for each stream
+    message that came under another cell than the one running."""
     from jupyter_client.manager import start_new_kernel
 
     folder = tmp_path_factory.mktemp("kernel")
@@ -248,6 +250,7 @@ def kernel(tmp_path_factory):
         answers = list(answers)
         messages = [] if messages is None else messages
         msg_id = kc.execute(code, allow_stdin=True)
+        run.ids.append(msg_id)
         texts, prompts, error = [], [], None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -262,9 +265,11 @@ def kernel(tmp_path_factory):
                 msg = kc.get_iopub_msg(timeout=0.05)
             except queue.Empty:
                 continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
             c, kind = msg["content"], msg["msg_type"]
+            if msg["parent_header"].get("msg_id") != msg_id:
+                if kind == "stream":
+                    run.elsewhere.append((msg["parent_header"].get("msg_id"), c["name"], c["text"]))
+                continue
             if kind == "stream":
                 texts.append(c["text"])
                 messages.append((kind, c["name"], c["text"], {}))
@@ -281,6 +286,7 @@ def kernel(tmp_path_factory):
                 return "".join(texts), prompts, error
         raise AssertionError(f"no end within {timeout} s: {''.join(texts)[-2000:]}")
 
+    run.ids, run.elsewhere = [], []
     out, _, error = run("%load_ext notebook_dist\n%dist_init -n 2")
     assert error is None, out
     yield run

@@ -187,22 +187,26 @@ def test_a_cell_takes_the_express_route_and_its_output_is_whole(tmp_path):
         assert not lane.pending
         assert set(client.metadata) <= records  # each cell's records were dropped
         # output that comes after its cell is over (a thread's, written while no cell
-        # runs: parented on the cell that was current) does not bring the record back
-        go, said = tmp_path / "go", tmp_path / "said"
+        # runs: parented on the cell that was current) does not bring the record back,
+        # and goes to the streams of the cell that ran, as that rank's lines
+        go, said, late = tmp_path / "go", tmp_path / "said", io.StringIO()
         c.run(
             "import os, sys, threading, time\n"
             "def late():\n"
             f"    while not os.path.exists({str(go)!r}):\n"
             "        time.sleep(0.01)\n"
-            "    print('late', flush=True)\n"
+            "    print('late', nd.rank, flush=True)\n"
             f"    open({str(said)!r} + str(nd.rank), 'w').close()\n"
-            "threading.Thread(target=late).start()"
+            "threading.Thread(target=late).start()",
+            out=late,
         )
+        assert late.getvalue() == ""
         go.touch()
         assert wait_until(lambda: all(os.path.exists(f"{said}{r}") for r in (0, 1)), 30)
         out = io.StringIO()
         c.run("print('next')", out=out)  # its 'idle' comes after the late line
-        assert out.getvalue().count("next") == 2
+        assert sorted(out.getvalue().splitlines()) == ["[rank 0] next", "[rank 1] next"]
+        assert sorted(late.getvalue().splitlines()) == ["[rank 0] late 0", "[rank 1] late 1"]
         assert set(client.metadata) <= records
 
 

@@ -210,6 +210,37 @@ def test_prints_warnings_and_logging_come_in_the_order_the_rank_wrote_them(kerne
 
 
 @pytest.mark.slow
+def test_a_ranks_thread_that_prints_after_its_cell_shows_under_that_cell(kernel, tmp_path):
+    """A thread a cell started on the ranks, printing while no cell runs: its lines come
+    under the cell that started it, as that rank's lines (as Jupyter shows a thread's
+    output under the cell that started it), not under the cell that runs next."""
+    import os
+
+    from conftest import wait_until
+
+    go, said = tmp_path / "go", tmp_path / "said"
+    out, _, error = kernel(
+        "%%distributed\nimport os, threading, time\ndef late():\n"
+        f"    while not os.path.exists({str(go)!r}):\n        time.sleep(0.01)\n"
+        "    print('late', nd.rank, flush=True)\n"
+        f"    open({str(said)!r} + str(nd.rank), 'w').close()\n"
+        "threading.Thread(target=late).start()"
+    )
+    assert error is None, out
+    started = kernel.ids[-1]
+    go.touch()
+    assert wait_until(lambda: all(os.path.exists(f"{said}{r}") for r in (0, 1)), 30)
+    out, _, error = kernel("%%distributed\nprint('next')")
+    assert error is None and "late" not in out, out
+    assert sorted(x for x in out.splitlines() if x.startswith("[rank")) == [
+        "[rank 0] next",
+        "[rank 1] next",
+    ], out
+    late = "".join(text for parent, _, text in kernel.elsewhere if parent == started)
+    assert sorted(late.splitlines()) == ["[rank 0] late 0", "[rank 1] late 1"], kernel.elsewhere
+
+
+@pytest.mark.slow
 def test_four_ranks_fold_their_identical_lines_and_keep_the_rest(no_current):
     from notebook_dist import DistCluster
 

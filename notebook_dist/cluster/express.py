@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from functools import partial
 
 
 class ExpressError(Exception):
@@ -76,26 +78,31 @@ class OutputDone:
 class Records(defaultdict):
     """The client's ``metadata``, which its IOPub handler fills on the client's IO thread,
     making an entry for any request it has not seen. An express call's entries are dropped
-    when it is over (:meth:`forget`), on another thread; output for it that comes later (a
-    background thread's write, parented on the call that was current) fills a record that
-    is not kept, rather than making the entry again."""
+    when it is over (:meth:`forget`), on another thread. Output for it that comes later (a
+    thread of the rank's writing while no cell runs: ipykernel parents it on the last
+    request) does not make the entry again: it goes to where the call said its late output
+    goes, or nowhere."""
 
     #: how many forgotten requests are remembered as such
     KEEP = 4096
 
     def __init__(self, factory, entries=()):
         super().__init__(factory, entries)
-        self._forgotten: OrderedDict[str, None] = OrderedDict()
+        #: msg_id -> where its late output goes (``late(stream, text)``), or None
+        self._forgotten: OrderedDict[str, Callable[[str, str], None] | None] = OrderedDict()
 
     def __missing__(self, msg_id):
-        if msg_id in self._forgotten:
-            return self.default_factory()
+        if msg_id in self._forgotten:  # a record that is not kept
+            late = self._forgotten.get(msg_id)
+            return self.default_factory() if late is None else _late_record(late)
         return super().__missing__(msg_id)
 
-    def forget(self, msg_ids) -> None:
+    def forget(self, msg_ids, late: Callable[[int, str, str], None] | None = None) -> None:
+        """Drop the records of ``msg_ids``; output for the i-th that comes later is given to
+        ``late(i, stream, text)``."""
         forgotten = self._forgotten
-        for m in msg_ids:  # marked before the entry goes: the IO thread sees one or the other
-            forgotten[m] = None
+        for i, m in enumerate(msg_ids):  # marked before the entry goes: the IO thread sees one
+            forgotten[m] = None if late is None else partial(late, i)
             self.pop(m, None)
         while len(forgotten) > self.KEEP:
             forgotten.popitem(last=False)
@@ -107,6 +114,26 @@ class Records(defaultdict):
         if not isinstance(metadata, cls):
             metadata = client.metadata = cls(metadata.default_factory, metadata)
         return metadata
+
+
+_LATE: list[type] = []
+
+
+def _late_record(late: Callable[[str, str], None]):
+    """A record for one late message, not kept: its text on a stream goes to ``late``."""
+    if not _LATE:
+        from ipyparallel.client.client import Metadata
+
+        class LateRecord(Metadata):
+            def __setitem__(self, key, value):
+                super().__setitem__(key, value)
+                if key in ("stdout", "stderr") and value:  # (a new record: the message's text)
+                    self.__dict__["_late"](key, value)
+
+        _LATE.append(LateRecord)
+    record = _LATE[0]()
+    record.__dict__["_late"] = late
+    return record
 
 
 class ExpressResult:
@@ -146,11 +173,12 @@ class ExpressResult:
             complete = out.wait(max(0.0, deadline - time.monotonic())) and complete
         return complete
 
-    def forget(self) -> None:
+    def forget(self, late: Callable[[int, str, str], None] | None = None) -> None:
         """The call is over: what the client and the lane keep for it is dropped (a reply
-        that comes later is ignored)."""
+        that comes later is ignored; output, ``late(i, stream, text)`` for the i-th rank
+        asked)."""
         pending, futures = self._lane.pending, self._lane.client._output_futures
         for reply in self._children:
             pending.pop(reply.msg_id, None)
             futures.pop(reply.msg_id, None)
-        self._lane.records.forget(self.msg_ids)
+        self._lane.records.forget(self.msg_ids, late)

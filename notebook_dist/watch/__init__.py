@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from ..console import Console
+from ..displays import cell_request
 from ..doctor import Diagnosis
 from ..execute import PreparedCell
 from ..output import OutputStreamer
@@ -154,7 +155,9 @@ class CellWatch:
                     self.outcome = aftermath.after_broken_group(self) or self.outcome
         finally:
             self.final = self.verdicts.final(bool(self.released or self.interrupted), self.outcome)
-            getattr(self.ar, "forget", lambda: None)()  # (what an express call kept)
+            forget = getattr(self.ar, "forget", None)  # (what an express call kept)
+            if forget is not None:
+                forget(late=self.streamer.late_output(cell_request()))
 
     def _last_output(self) -> None:
         """Every rank's output arrives before the cell ends (its iopub 'idle'; never for

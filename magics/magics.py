@@ -150,6 +150,15 @@ class DistMagics(Magics):
         "second (default 1; each costs a Python with torch imported, about 240 MiB)",
     )
     @argument(
+        "--preload",
+        default=None,
+        choices=["auto", "on", "off"],
+        help="load what a first optimizer or DDP module needs (torch._dynamo, ~2 s of CPU a "
+        "rank) once, before the ranks are forked: the start takes that much longer, every "
+        "rank's first training cell that much less, and ranks share its memory (default "
+        "auto: when there are more ranks than cores)",
+    )
+    @argument(
         "--heal",
         default=None,
         choices=["auto", "off"],
@@ -186,6 +195,7 @@ class DistMagics(Magics):
                     network=args.network,
                     hang_after=args.hang_after,
                     spares=args.spares,
+                    preload=args.preload,
                     heal=args.heal,
                     heal_copy=args.heal_copy,
                 )

@@ -61,6 +61,19 @@ class DistConfig:
     shares the imported pages. False: each engine is a fresh process, as ipyparallel
     starts it (MPI, Slurm and ssh engines always are)."""
 
+    preload_ranks: bool | None = None
+    """The fork server also loads what a rank loads at its first optimizer or DDP module
+    (``torch._dynamo`` and about 800 modules: some 2 s of CPU each) before it forks the
+    ranks, so they share one load. It delays the start by that load, once, and saves it in
+    every rank's first training cell. None (the default): when there are more local ranks
+    than cores, where the ranks' own loads would queue for the cores (32 ranks on 2 cores:
+    about 34 s); spares and the ranks of a restart or heal always get it."""
+
+    def preloads(self, local_ranks: int) -> bool:
+        if self.preload_ranks is not None:
+            return self.preload_ranks
+        return local_ranks > (os.cpu_count() or 1)
+
     spares_after_s: float = 3.0
     """The warm pool starts filling once a cluster has run this long, not while it
     starts: a cluster stopped sooner (a script's, a test's) never waits for a spare."""

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 from .errors import PreflightError
 
+#: ``%dist_init --preload``: DistConfig.preload_ranks
+PRELOAD = {"auto": None, "on": True, "off": False}
+
 
 @dataclass(frozen=True)
 class ClusterRequest:
@@ -37,6 +40,8 @@ class ClusterRequest:
     spares: int | None = field(default=None, compare=False)  # DistConfig.spare_engines
     heal: str | None = field(default=None, compare=False)  # "auto" or "off": DistConfig.heal
     heal_copy: str | None = field(default=None, compare=False)  # "model,opt"
+    #: "on", "off" or "auto": DistConfig.preload_ranks (for the starts from now on)
+    preload: str | None = field(default=None, compare=False)
 
     @property
     def attach(self) -> bool:
@@ -63,6 +68,8 @@ class ClusterRequest:
                 raise PreflightError(f"{option} {value}: give a positive number of seconds")
         if self.spares is not None and self.spares < 0:
             raise PreflightError(f"--spares {self.spares}: give 0 or more engines")
+        if self.preload not in (None, *PRELOAD):
+            raise PreflightError(f"--preload {self.preload}: give auto, on or off")
         if self.heal not in (None, "auto", "off"):
             raise PreflightError(f"--heal {self.heal}: give auto or off")
         for name in (self.heal_copy or "").split(","):
@@ -79,6 +86,8 @@ class ClusterRequest:
             config.heal = self.heal
         if self.heal_copy is not None:
             config.heal_copy = tuple(n.strip() for n in self.heal_copy.split(",") if n.strip())
+        if self.preload is not None:
+            config.preload_ranks = PRELOAD[self.preload]
         if self.spares is not None:
             config.spare_engines = self.spares
             cluster.processes.pool.resize(self.spares)

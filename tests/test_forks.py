@@ -43,6 +43,44 @@ def test_ranks_are_forked_from_one_server_and_nothing_outlives_the_cluster(monke
     assert wait_until(lambda: not pids_alive(pids), 10), pids_alive(pids)
 
 
+FIRST_OPTIMIZER = (
+    "import sys\nwas = 'torch._dynamo' in sys.modules\nbefore = len(sys.modules)\n"
+    "opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)\n"
+    "(was, len(sys.modules) - before)"
+)
+
+
+@pytest.mark.parametrize("preload", [True, False])
+def test_ranks_forked_after_the_servers_preload_share_what_a_first_optimizer_loads(preload):
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    with DistCluster(n=2, config=DistConfig(spare_engines=0, preload_ranks=preload)) as c:
+        r = c.run(FIRST_OPTIMIZER)
+        assert not r.errors
+        for was, loaded in r.values.values():
+            # torch._dynamo and its ~800 modules: loaded once in the server, or by each rank
+            assert (was, loaded < 20) == (preload, preload), r.values
+
+
+def test_ranks_are_preloaded_by_default_when_they_outnumber_the_cores(monkeypatch):
+    from notebook_dist.config import DistConfig
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert [DistConfig().preloads(n) for n in (1, 4, 5, 32)] == [False, False, True, True]
+    assert DistConfig(preload_ranks=True).preloads(1) and not DistConfig(
+        preload_ranks=False
+    ).preloads(32)
+    # %dist_init --preload on/off/auto, without starting anything
+    from notebook_dist.errors import PreflightError
+    from notebook_dist.request import ClusterRequest
+
+    for said, field in (("on", True), ("off", False), ("auto", None)):
+        assert ClusterRequest(n=2, preload=said).cluster().config.preload_ranks is field
+    with pytest.raises(PreflightError, match="--preload yes: give auto, on or off"):
+        ClusterRequest(n=2, preload="yes").check()
+
+
 @pytest.mark.parametrize(
     "how, said", [("os._exit(7)", "exited with code 7"), ("os.kill(os.getpid(), 9)", "SIGKILL")]
 )

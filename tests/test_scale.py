@@ -26,10 +26,11 @@ def big(request):
     c.shutdown()
 
 
-#: how long a cell may take to its verdict here: the first DDP cell on 32 ranks sharing 2
-#: cores takes about 52 s to reach its hang (3.7 s the second time; the ranks load what DDP
-#: needs on first use), so 60 s failed now and then
-GIVE_UP_S = 180
+#: how long a cell may take to its verdict here: with every rank loading what a first DDP
+#: module needs itself, the first DDP cell on 32 ranks sharing 2 cores took about 52 s to
+#: its hang; the fork server now loads it once when ranks outnumber cores
+#: (DistConfig.preload_ranks): 6 s
+GIVE_UP_S = 60
 
 
 def verdict(cluster, code: str):

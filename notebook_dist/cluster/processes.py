@@ -94,6 +94,8 @@ class Processes:
 
             self.lane = Lane(client, "127.0.0.1")
         prepare_first_call()
+        if self.forks is not None and self.config.preloads(n):
+            self.forks.preload()  # (before the forks: the server takes requests in order)
         try:
             engine_set_id = cluster.start_engines_sync(n)
         except Exception as exc:

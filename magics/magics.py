@@ -13,7 +13,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.core.magic_arguments import parse_argstring as _ipython_parse
 
 from notebook_dist.errors import OptionError, UsageMistake
-from notebook_dist.request import ClusterRequest
+from notebook_dist.request import PRELOAD, ClusterRequest
 from notebook_dist.session import SESSION
 
 
@@ -152,7 +152,7 @@ class DistMagics(Magics):
     @argument(
         "--preload",
         default=None,
-        choices=["auto", "on", "off"],
+        choices=list(PRELOAD),
         help="load what a first optimizer or DDP module needs (torch._dynamo, ~2 s of CPU a "
         "rank) once, before the ranks are forked: the start takes that much longer, every "
         "rank's first training cell that much less, and ranks share its memory (default "

@@ -81,6 +81,8 @@ class Processes:
         self.reaper.remove_on_exit(self.profile_dir)
         launcher = self.launcher
         start_fork_server(self)  # importing torch while ipyparallel starts the controller
+        if self.forks is not None and self.config.preloads(n):
+            self.forks.preload()  # (queued behind torch's import; before any fork)
         self.ipp = cluster = ipp_cluster(self.config, launcher, self.profile_dir, n)
         cluster.start_controller_sync()
         controller = self._record(cluster.controller, "controller")
@@ -94,8 +96,6 @@ class Processes:
 
             self.lane = Lane(client, "127.0.0.1")
         prepare_first_call()
-        if self.forks is not None and self.config.preloads(n):
-            self.forks.preload()  # (before the forks: the server takes requests in order)
         try:
             engine_set_id = cluster.start_engines_sync(n)
         except Exception as exc:

@@ -442,11 +442,48 @@ def nbdistributed_dispatch(reps: int) -> dict | None:
     return {"skipped": "nbdistributed run failed: " + (out.stderr or out.stdout)[-500:]}
 
 
+def nbdistributed_against_ours(cluster, shell, rounds: int, reps: int) -> dict:
+    """nbdistributed's cell against ours, in alternated rounds (its process and workers
+    started anew each round, ours the same cluster throughout): per round, the median of
+    ``reps`` cells on each side, so its ratio comes from pairs measured back to back. Our
+    cells count their runs on the ranks, and the counts are checked."""
+    cluster.run("_vs_nbd_n = 0").raise_for_errors()
+    theirs, ours, their_times = [], [], []
+    for i in range(rounds):
+        for side in ("theirs", "ours") if i % 2 == 0 else ("ours", "theirs"):
+            if side == "theirs":
+                got = nbdistributed_dispatch(reps)
+                if "median" not in got:
+                    return got  # skipped, with why
+                theirs.append(got["median"])
+                their_times += got["times"]
+                continue
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                shell.run_cell_magic("distributed", "", "_vs_nbd_n += 1")
+                times.append(time.perf_counter() - t0)
+            ours.append(statistics.median(times))
+    counts = dict(cluster.run("_vs_nbd_n").values)
+    assert counts == {0: rounds * reps, 1: rounds * reps}, counts
+    return {
+        **summarize(their_times),
+        "rounds": rounds,
+        "ours_s": summarize(ours),
+        "vs_ours": ratio(theirs, ours),
+    }
+
+
 # an exact checksum of a tensor's bytes (integer sums do not round)
 CHECKSUM = "int({0}.view(torch.int32 if {0}.element_size() == 4 else torch.int16).long().sum())"
 
 
-def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 3) -> dict:
+def _pair_median(r: dict, name: str) -> dict:
+    """A ratio's pair median as ``name`` and its 95% interval as ``name_ci95``."""
+    return {name: r["pair_median"], f"{name}_ci95": r["pair_median_ci95"]}
+
+
+def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 5) -> dict:
     import torch
 
     view = cluster.processes.client.direct_view(cluster.processes.engine_ids)
@@ -456,7 +493,7 @@ def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 3) -> dict:
             n = mb * 2**20 // (4 if dtype == "float32" else 2)
             cluster.run(f"x = torch.randn({n}).to(torch.{dtype})").raise_for_errors()
             local = torch.randn(n).to(getattr(torch, dtype))
-            r_reps = reps if mb < 256 else max(2, reps - 1)
+            r_reps = reps if mb < 256 else max(3, reps - 2)
             value, gather, pull_ipp, push, copy = [], [], [], [], []
             for _ in range(r_reps):
                 # the same bytes (2 ranks' worth) copied into fresh allocations: the median
@@ -489,15 +526,15 @@ def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 3) -> dict:
             assert set(sums.values()) == {eval(CHECKSUM.format("local"))}, sums
             key = f"{dtype}_{mb}MB"
             out[key] = {
-                "value_vs_copy": ratio(copy, value)["ratio"],
-                "gather_vs_copy": ratio(copy, gather)["ratio"],
-                "push_vs_copy": ratio(copy, push)["ratio"],
+                **_pair_median(ratio(copy, value), "value_vs_copy"),
+                **_pair_median(ratio(copy, gather), "gather_vs_copy"),
+                **_pair_median(ratio(copy, push), "push_vs_copy"),
                 "value_GBps": 2 * mb / 1024 / statistics.median(value),
                 "copy_GBps": 2 * mb / 1024 / statistics.median(copy),
             }
-            if pull_ipp:
-                out[key]["vs_ipyparallel_pull"] = statistics.median(pull_ipp) / statistics.median(
-                    value[: len(pull_ipp)]
+            if pull_ipp:  # (each pull right after the value it is paired with)
+                out[key].update(
+                    _pair_median(ratio(pull_ipp, value[: len(pull_ipp)]), "vs_ipyparallel_pull")
                 )
             cluster.run("del x, y").raise_for_errors()
     return out
@@ -760,12 +797,16 @@ def bench_vs_torchrun(cluster, reps: int) -> dict:
             "notebook_busbw_GBps": statistics.median(ours[s]),
             "torchrun_busbw_GBps": statistics.median(theirs[s]),
             "ratio": statistics.median(ours[s]) / statistics.median(theirs[s]),
+            "pairs": ratio(ours[s], theirs[s]),
         }
         for s in BENCH_SIZES
     }
+    # each round's two runs were back to back: their ratio over the sizes (geometric mean)
+    rounds = [geomean([ours[s][i] / theirs[s][i] for s in BENCH_SIZES]) for i in range(reps)]
     return {
         "per_size": per_size,
         "bench_vs_torchrun": geomean([v["ratio"] for v in per_size.values()]),
+        "rounds_vs_torchrun": ratio(rounds, [1.0] * reps),
     }
 
 

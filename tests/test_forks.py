@@ -194,6 +194,29 @@ def test_a_server_started_ahead_is_taken_by_the_first_cluster_of_its_environment
     assert wait_until(lambda: not pids_alive(pids), 10), pids_alive(pids)
 
 
+@pytest.mark.parametrize("waited", [True, False])
+def test_a_server_started_ahead_loads_what_ranks_load_later_while_it_waits(waited):
+    """A server started ahead that waits (the user reads on after ``%load_ext``) loads what
+    a first optimizer needs by itself, so the next cluster's ranks share it whatever their
+    number; one taken by a cluster at once (a notebook run as a whole) loads nothing by
+    itself, and the cluster decides (2 ranks on 2 cores or more: nothing)."""
+    from notebook_dist import DistCluster
+    from notebook_dist.cluster.processes import fork_ahead
+    from notebook_dist.config import DistConfig
+
+    config = DistConfig(spare_engines=0, preload_ranks=None if waited else False)
+    server = fork_ahead(config)
+    if waited:
+        assert server.idle_preloaded.wait(120), "the waiting server did not load by itself"
+    with DistCluster(n=2, config=config) as c:
+        assert c.processes.forks is server
+        r = c.run(FIRST_OPTIMIZER)
+        assert not r.errors
+        for was, loaded in r.values.values():
+            assert (was, loaded < 20) == (waited, waited), r.values
+    assert server.idle_preloaded.is_set() == waited
+
+
 @pytest.mark.parametrize("change", ["environment", "fresh engines"])
 def test_a_server_started_ahead_that_does_not_fit_is_ended_at_once(monkeypatch, change):
     """A server started ahead in another environment (a variable set since) is ended,

@@ -36,13 +36,23 @@ _SERVERS: dict[str, ForkServer] = {}
 class ForkServer:
     """One fork server process and what it has said."""
 
-    def __init__(self, python: str, env: dict[str, str], log_file: str, timeout: float = 120.0):
+    def __init__(
+        self,
+        python: str,
+        env: dict[str, str],
+        log_file: str,
+        timeout: float = 120.0,
+        idle_preload_s: float | None = None,
+    ):
         #: how long an engine's start may wait for the server (DistConfig.start_timeout_s)
         self.timeout = timeout
         self._preloaded = False
+        #: set when the server loaded, by itself while it waited, what ranks load later
+        self.idle_preloaded = threading.Event()
         self._log = open(log_file, "ab")
+        idle = [] if idle_preload_s is None else ["--preload-when-idle", str(idle_preload_s)]
         self.popen = subprocess.Popen(
-            [python, "-m", "notebook_dist.runtime.forkserver"],
+            [python, "-m", "notebook_dist.runtime.forkserver", *idle],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -80,6 +90,9 @@ class ForkServer:
                 elif "forked" in message:
                     self._said[message["forked"]] = message
                     self._answered.notify_all()
+                elif "preloaded" in message:
+                    self._preloaded = True
+                    self.idle_preloaded.set()
                 elif "exited" in message:
                     self._exits[message["exited"]] = message["code"]
                     self._event(message["exited"]).set()
@@ -132,6 +145,11 @@ class ForkServer:
             raise ClusterError(f"the fork server could not start an engine: {why}")
         return answer["pid"]
 
+    def taken(self) -> None:
+        """A cluster took the server started ahead: it loads nothing more by itself (the
+        cluster's ``preload_ranks`` decides), unless it already began to."""
+        self._send({"taken": True})
+
     def preload(self) -> None:
         """Import what ranks load later, for the engines forked from now on (once)."""
         if not self._preloaded:
@@ -182,6 +200,7 @@ def start(config, env: dict[str, str], profile_dir: str) -> ForkServer:
     if server is None:
         server = ForkServer(config.python, env, log_file, config.start_timeout_s)
     else:  # its log joins the cluster's (the same file system: the open file follows)
+        server.taken()
         os.replace(server.log_file, log_file)
         shutil.rmtree(os.path.dirname(server.log_file), ignore_errors=True)
         server.log_file = log_file
@@ -199,6 +218,13 @@ def _log_file(profile_dir: str) -> str:
 #: the fork server started ahead of any cluster, until a cluster takes it or it is ended
 _AHEAD: ForkServer | None = None
 
+#: how long a server started ahead waits, once torch is imported, before it loads what a
+#: first optimizer or DDP module needs (``runtime.heal.preload``) by itself: the ranks of
+#: the next cell's ``%dist_init`` then share it, whatever their number, and their start
+#: does not wait for it. A cell run right after ``%load_ext`` (a notebook run as a whole)
+#: asks for its engines within this time, and the server then loads nothing by itself.
+IDLE_PRELOAD_S = 0.5
+
 
 def start_ahead(config, env: dict[str, str]) -> ForkServer:
     """Start a fork server before any cluster asks for one, so that the first cluster's
@@ -214,7 +240,9 @@ def start_ahead(config, env: dict[str, str]) -> ForkServer:
 
     atexit.register(end_ahead)  # (once is enough; a second call finds nothing to end)
     folder = tempfile.mkdtemp(prefix="notebook_dist-ahead-")
-    _AHEAD = ForkServer(config.python, env, os.path.join(folder, "forkserver.log"))
+    _AHEAD = ForkServer(
+        config.python, env, os.path.join(folder, "forkserver.log"), idle_preload_s=IDLE_PRELOAD_S
+    )
     _AHEAD.record = Started.record(_AHEAD.pid, "fork server", parent=os.getpid())
     return _AHEAD
 

@@ -16,8 +16,12 @@ lines over its stdin and stdout:
 - ``{"exited": PID, "code": CODE}`` is said when an engine ends (negative: the signal
   that ended it, as ``subprocess`` says it);
 - ``{"preload": true}`` imports what ranks load later (an optimizer's first use, DDP,
-  a heal's fake group), for the engines forked after it: asked once the first ranks
-  have started, not while they start.
+  a heal's fake group), for the engines forked after it: asked before the first spare,
+  and before the ranks when they outnumber the cores.
+- Started with ``--preload-when-idle S`` (a server started ahead, while the user reads
+  on), it does that by itself once it has waited ``S`` seconds after its imports with
+  nothing asked, and says ``{"preloaded": pid}``; anything asked first cancels it
+  (``{"taken": true}``, sent when a cluster takes the server, asks for nothing else).
 
 Nothing is forked while a thread runs or a ZeroMQ context exists (the server makes
 neither); an engine starts a session of its own, as ipyparallel's launcher starts one,
@@ -33,6 +37,7 @@ import select
 import signal
 import sys
 import threading
+import time
 
 from .imports import frozen_after
 
@@ -141,9 +146,20 @@ def main() -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     say({"ready": os.getpid()})
+    idle = _idle_preload_s(sys.argv[1:])
+    preload_at = None if idle is None else time.monotonic() + idle
     pending = b""
     while True:
-        readable, _, _ = select.select([commands, wake_r], [], [], REAP_EVERY_S)
+        wait = REAP_EVERY_S
+        if preload_at is not None:
+            wait = max(0.0, min(wait, preload_at - time.monotonic()))
+        readable, _, _ = select.select([commands, wake_r], [], [], wait)
+        if commands in readable:
+            preload_at = None  # asked for something: the cluster decides from now on
+        elif preload_at is not None and time.monotonic() >= preload_at:
+            preload_at = None
+            later_imports()
+            say({"preloaded": os.getpid()})
         # the wake-ups are taken before the exits: an engine that ends after this read
         # leaves a byte for the next select (read after the reap, it could be taken
         # unseen, and that engine's end said only at the next request)
@@ -162,12 +178,22 @@ def main() -> None:
             if request.get("preload"):
                 later_imports()
                 continue
+            if request.get("taken"):  # (a cluster took the server: only the wait ends)
+                continue
             try:
                 pid = _fork_engine(request, keep_fds=(commands, answers, wake_r, wake_w))
             except Exception as exc:  # the kernel says why the engine could not start
                 say({"forked": request.get("fork"), "error": f"{type(exc).__name__}: {exc}"})
             else:
                 say({"forked": request.get("fork"), "pid": pid})
+
+
+def _idle_preload_s(argv: list[str]) -> float | None:
+    """``--preload-when-idle S``: seconds to wait after the imports before loading what
+    ranks load later, unless asked for something first (None: never by itself)."""
+    if "--preload-when-idle" in argv:
+        return float(argv[argv.index("--preload-when-idle") + 1])
+    return None
 
 
 def name_process(name: bytes) -> None:

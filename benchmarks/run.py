@@ -154,6 +154,12 @@ def _get(results, path):
     return results
 
 
+def _with_ci(results: dict, name: str) -> str:
+    """``results[name]`` as a ratio, with its 95% interval (``name_ci95``) when it has one."""
+    ci = results.get(f"{name}_ci95")
+    return f"{results[name]:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+
+
 def _skipped(results, path) -> str | None:
     """Why a side of a comparison could not run: the "skipped" of a dict on the path."""
     for key in path:
@@ -293,20 +299,15 @@ def main(argv=None) -> int:
         target = f"{op} {bound:g}x"
         print(f"{label:55s} {text:>26s}  {target:>8s}  {met}")
     for key, t in results.get("transfer", {}).items():
-
-        def with_ci(name, t=t):
-            ci = t.get(f"{name}_ci95")
-            return f"{t[name]:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
-
         extra = (
-            f", {with_ci('vs_ipyparallel_pull')} ipyparallel's pull"
+            f", {_with_ci(t, 'vs_ipyparallel_pull')} ipyparallel's pull"
             if "vs_ipyparallel_pull" in t
             else ""
         )
-
         print(
-            f"transfer {key:14s} value {with_ci('value_vs_copy')} copy, gather "
-            f"{with_ci('gather_vs_copy')}, push {with_ci('push_vs_copy')} (target >= 0.5x){extra}"
+            f"transfer {key:14s} value {_with_ci(t, 'value_vs_copy')} copy, gather "
+            f"{_with_ci(t, 'gather_vs_copy')}, push {_with_ci(t, 'push_vs_copy')} "
+            f"(target >= 0.5x){extra}"
         )
     for key, t in results.get("checks", {}).items():
         print(

@@ -427,7 +427,9 @@ def bystanders(tmp_path):
         p.wait()
 
 
-ALL_RANKS_EXIT = "%%distributed\nimport os\nos._exit(1)"
+# every rank exits, together: the barrier first, so a rank that a busy machine starts late
+# is not interrupted (2 s after the first death) before it reaches its own exit
+ALL_RANKS_EXIT = "%%distributed\nimport os\ndist.barrier()\nos._exit(1)"
 
 
 def every_rank_dies_twice(run, spy, bystanders, then: str = "%dist_shutdown") -> str:

@@ -421,6 +421,21 @@ def test_rank_that_died_is_reported_with_its_signal_and_next_cell_says_what_to_d
     )
 
 
+def test_a_rank_interrupted_after_anothers_death_is_named_with_it(cluster):
+    """Rank 0 is still in Python code when rank 1 dies: it is interrupted, and the verdict
+    says so (a rank late to its own exit on a busy machine reads the same way)."""
+    with pytest.raises(ClusterError) as info:
+        cluster.run(
+            "import os, time\nif nd.rank == 0: time.sleep(60)\nos._exit(1)\n",
+            filename="Cell In[8]",
+            header="%%distributed",
+        )
+    assert str(info.value).startswith(
+        "rank 1 exited with code 1 at line 4. Rank 0 was interrupted at line 3 and keeps its "
+        "variables. Run %dist_heal"
+    ), str(info.value)
+
+
 def test_mismatched_dtypes_name_the_op_and_line(cluster):
     with pytest.raises(ClusterError) as info:
         cluster.run(

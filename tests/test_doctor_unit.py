@@ -159,6 +159,29 @@ def test_dead_rank_with_signal_and_line():
     )
 
 
+def test_dead_rank_names_what_each_survivor_did():
+    """After a death the others are interrupted: the verdict says who stopped where, who
+    raised, and who still runs (code that ignores the interrupt), not the dead alone."""
+    dead = RankReport("dead", {}, "exited with code 1", fault={"line": 4, "file": CELL})
+    ranks = {
+        0: raised("KeyboardInterrupt", "", 3),
+        1: dead,
+        2: raised("ValueError", "bad", 2),
+        3: running(None, stack=[frame(5)]),
+    }
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert d.kind == "dead" and d.culprits == [1]
+    assert d.verdict.startswith(
+        "rank 1 exited with code 1 at line 4. Rank 0 was interrupted at line 3 and keeps its "
+        "variables. Rank 2 raised ValueError at line 2 and keeps its variables. Rank 3 still "
+        "runs Python code at line 5, which the interrupt did not stop (code that ignores "
+        "interrupts). Run %dist_restart for fresh ranks"
+    ), d.verdict
+    ranks[3] = raised("KeyboardInterrupt", "", None)
+    d = diagnose(ranks, now=NOW, cell_file=CELL)
+    assert "Rank 3 was interrupted and keeps its variables. Run %dist_heal" in d.verdict, d.verdict
+
+
 def test_busy_rank_shows_where_it_is():
     ranks = {
         0: running(rec(1, "all_reduce", 9)),

@@ -133,6 +133,8 @@ class CellWatch:
                 while self.running() and not self.releases.abandoned:
                     self.ar.wait(POLL_S)
                     self.poll()
+                if self.running():  # given up on: one last look, so a rank that died is named
+                    self.progress.poll(self.cluster.dead_ranks())
             except _StopHung as stop:
                 self.interrupt(quiet=True)
                 raise HangError(f"{stop}{self.verdicts.shown}") from None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..facts import TRANSPORT_ERROR, records
-from ..words import call_text, shape_text
+from ..words import call_text, rank_list, shape_text, verb
 from .base import Diagnosis, Facts, make, registrar
 
 RULES: list = []
@@ -40,6 +40,8 @@ def dead(f: Facts) -> Diagnosis | None:
     if len(f.dead) > 1 and set(f.dead) == set(f.info):
         how = f"Every rank of the cell has ended: {how}"
         then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells), or %dist_shutdown."
+    elif f.busy:  # a heal needs every survivor in the new group
+        then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells)."
     hint = ""
     aborted = [r for r in f.dead if _failed_inside(f.info[r])]
     if aborted:
@@ -54,6 +56,7 @@ def dead(f: Facts) -> Diagnosis | None:
         line = f.info[r].error[2]
         at = f" at line {line}" if line else ""
         tail += f" Rank {r}'s collective{at} failed when the connections closed."
+    tail += survivors(f, [r for r in f.raised if r not in broken])
     line = next((f.info[r].fault["line"] for r in f.dead if f.info[r].fault.get("line")), None)
     return make(
         f,
@@ -62,6 +65,29 @@ def dead(f: Facts) -> Diagnosis | None:
         f.dead,
         line,
     )
+
+
+def survivors(f: Facts, raised: list[int]) -> str:
+    """What the ranks that outlived the dead did, beside those waiting in collectives: the
+    ones stopped by the interrupt that follows a death, the ones that raised, and the ones
+    still in Python code (an interrupt can not stop code that ignores it)."""
+    said = ""
+    for r in raised:
+        ename, _, line = f.info[r].error
+        at = f" at line {line}" if line else ""
+        what = "was interrupted" if ename == "KeyboardInterrupt" else f"raised {ename}"
+        said += f" Rank {r} {what}{at} and keeps its variables."
+    if f.busy:
+        at = (
+            f" at {f.stack_at(f.busy[0])}"
+            if len(f.busy) == 1
+            else " (" + "; ".join(f"rank {r} at {f.stack_at(r)}" for r in f.busy) + ")"
+        )
+        said += (
+            f" {rank_list(f.busy, 'Rank', 'Ranks')} still {verb(f.busy, 'runs', 'run')} "
+            f"Python code{at}, which the interrupt did not stop (code that ignores interrupts)."
+        )
+    return said
 
 
 def _failed_inside(info) -> bool:

@@ -247,9 +247,13 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
     """Start, an empty cell (wall, and the kernel's CPU), a gather of 1 MB from every rank,
     and the time to the doctor's verdict when one rank skips a collective, at each size;
     every size's round runs beside one at 2 ranks (alternating which starts first), so each
-    ratio to 2 ranks is of pairs measured back to back."""
+    ratio to 2 ranks is of pairs measured back to back. Each round also measures the floor
+    under an empty cell with as many bare processes (``echo_floor.py``): the best ratio one
+    process per rank can reach on this machine."""
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
+
+    from .echo_floor import echo_rounds
 
     def measure(n: int, alone: bool) -> dict:
         t0 = time.perf_counter()
@@ -287,8 +291,11 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
             )
         finally:
             c.shutdown()
+        floor = echo_rounds(n, 1000)  # the same number of bare processes, the cluster gone
         return {
             **by_itself,
+            "echo_floor_s": floor["wall_s"],
+            "echo_floor_cpu_s": floor["cpu_s"],
             "start_s": start,
             "cell_s": statistics.median(wall),
             "cell_cpu_s": statistics.median(cpu),
@@ -302,6 +309,8 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
         "start_s",
         "cell_s",
         "cell_cpu_s",
+        "echo_floor_s",
+        "echo_floor_cpu_s",
         "gather_1MB_each_s",
         "verdict_s",
         "print_1000_lines_each_s",

@@ -319,7 +319,14 @@ def main(argv=None) -> int:
             f"scale {n}: start {g['start_s']['median']:.2f} s ({g['start_s_vs_2']['pair_median']:.2f}x 2 ranks), "
             f"empty cell {1000 * g['cell_s']['median']:.1f} ms ({g['cell_s_vs_2']['pair_median']:.2f}x), "
             f"kernel CPU {1000 * g['cell_cpu_s']['median']:.1f} ms ({g['cell_cpu_s_vs_2']['pair_median']:.2f}x), "
-            f"gather 1 MB each {1000 * g['gather_1MB_each_s']['median']:.0f} ms "
+            + (
+                f"the floor of {n.split('_')[0]} bare processes answering one frame each: wall "
+                f"{g['echo_floor_s_vs_2']['pair_median']:.2f}x, sender's CPU "
+                f"{g['echo_floor_cpu_s_vs_2']['pair_median']:.2f}x 2 of them; "
+                if "echo_floor_s_vs_2" in g
+                else ""
+            )
+            + f"gather 1 MB each {1000 * g['gather_1MB_each_s']['median']:.0f} ms "
             f"({g['gather_1MB_each_s_vs_2']['pair_median']:.2f}x)"
             + (
                 f", verdict {g['verdict_s']['median']:.1f} s ({g['verdict_s_vs_2']['pair_median']:.2f}x)"

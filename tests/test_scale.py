@@ -84,3 +84,16 @@ def test_a_dead_rank_is_named_among_many(big):
         big.run(f"import os\nif nd.rank == {dead}:\n    os._exit(3)\ndist.barrier()\n")
     assert f"rank {dead} exited with code 3" in str(got.value), str(got.value)
     assert wait_until(lambda: set(big.dead_ranks()) == {dead}, 10), big.dead_ranks()
+
+
+def test_the_benchmarks_floor_answers_from_every_bare_process_and_ends_them():
+    """The scale benchmark's floor (benchmarks/echo_floor.py): n plain processes each answer
+    one frame per round; they end with it."""
+    import psutil
+
+    from benchmarks.echo_floor import echo_rounds
+
+    before = {p.pid for p in psutil.Process().children()}
+    got = echo_rounds(3, 20, warm=5)
+    assert got["wall_s"] > 0 and got["cpu_s"] >= 0, got
+    assert {p.pid for p in psutil.Process().children()} - before == set()

@@ -1,0 +1,74 @@
+"""The floor under a cell's dispatch on this machine: ``n`` plain Python processes, each
+answering one zmq frame with one frame, as bare as an engine could be (no kernel, no
+event loop, no work), and one process that sends a frame to each and waits for every
+answer, as the notebook does for a cell.
+
+    python benchmarks/echo_floor.py N ROUNDS    prints {"wall_s": ..., "cpu_s": ...}
+
+What it takes at 16 processes against 2 is the best ratio one process per rank can reach
+here: with fewer cores than processes, their wake-ups alone queue for the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+RESPONDER = """
+import sys, zmq
+s = zmq.Context().socket(zmq.DEALER)
+s.linger = 0
+s.connect(sys.argv[1])
+s.send(b"hello")
+while True:
+    m = s.recv()
+    if m == b"q":
+        break
+    s.send(m)
+"""
+
+
+def echo_rounds(n: int, rounds: int, warm: int = 100) -> dict:
+    """Median wall and CPU (of the sending process) per round of ``n`` echoes."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    url = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    procs = [subprocess.Popen([sys.executable, "-c", RESPONDER, url]) for _ in range(n)]
+    try:
+        peers = []
+        while len(peers) < n:
+            if not sock.poll(60_000):
+                raise RuntimeError("a responder did not say hello within 60 s")
+            peers.append(sock.recv_multipart()[0])
+        walls, cpus = [], []
+        for i in range(warm + rounds):
+            w0, c0 = time.perf_counter(), time.process_time()
+            for p in peers:
+                sock.send_multipart([p, b"x"])
+            for _ in peers:
+                sock.recv_multipart()
+            if i >= warm:
+                cpus.append(time.process_time() - c0)
+                walls.append(time.perf_counter() - w0)
+        for p in peers:
+            sock.send_multipart([p, b"q"])
+    finally:
+        for p in procs:  # ours, by pid
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        sock.close()
+        ctx.term()
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(echo_rounds(int(sys.argv[1]), int(sys.argv[2]))))

@@ -80,7 +80,9 @@ def _default_device(local_rank: int) -> str:
 def user_namespace() -> dict:
     """The namespace cells run in: the engine shell's, or ``__main__``'s outside one."""
     try:
-        from IPython import get_ipython  # core only, no display code
+        # core only, no display code; not ``from IPython import``, whose module-level
+        # __getattr__ costs more than the lookup itself (twice on every cell)
+        from IPython.core.getipython import get_ipython
 
         ip = get_ipython()
     except ImportError:

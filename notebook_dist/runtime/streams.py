@@ -160,5 +160,12 @@ def _reading(frame) -> bool:
         return True  # not the thread we know: nothing to wait for
     if frame is not top:
         return False  # writing what it read: the bytes are not in the stream yet
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-    return "os.read(" in line
+    where = (frame.f_code.co_filename, frame.f_lineno)
+    reading = _READ_AT.get(where)
+    if reading is None:  # (the same line on every cell: read once)
+        reading = _READ_AT[where] = "os.read(" in linecache.getline(*where)
+    return reading
+
+
+#: whether the pipe thread's line at (file, line) is its ``os.read``
+_READ_AT: dict[tuple[str, int], bool] = {}

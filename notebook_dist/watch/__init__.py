@@ -133,8 +133,6 @@ class CellWatch:
                 while self.running() and not self.releases.abandoned:
                     self.ar.wait(POLL_S)
                     self.poll()
-                if self.running():  # given up on: one last look, so a rank that died is named
-                    self.progress.poll(self.cluster.dead_ranks())
             except _StopHung as stop:
                 self.interrupt(quiet=True)
                 raise HangError(f"{stop}{self.verdicts.shown}") from None
@@ -162,8 +160,9 @@ class CellWatch:
                 forget(late=self.streamer.late_output(cell_request()))
 
     def _last_output(self) -> None:
-        """Every rank's output arrives before the cell ends (its iopub 'idle'; never for
-        a dead rank)."""
+        """Every rank's output before the cell ends (its 'idle'; never a dead rank's)."""
+        if self.running():  # given up on: one more look, so a rank that died is named
+            self.progress.poll(self.cluster.dead_ranks())
         if not self.running():
             dead = any(v.status == "dead" for v in self.views.values())
             self.ar.wait_for_output(

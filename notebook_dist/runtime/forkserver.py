@@ -246,6 +246,7 @@ def _fork_engine(request: dict, keep_fds: tuple[int, ...]) -> int:
     # the engine says when it leads a session of its own: only then is its pid answered
     # (the kernel records it at once, as the leader of its group)
     led_r, led_w = os.pipe()
+    files = module_files()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -265,7 +266,7 @@ def _fork_engine(request: dict, keep_fds: tuple[int, ...]) -> int:
         from .engine import main as engine_main
 
         code = 0
-        engine_main()
+        engine_main(files)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -276,6 +277,21 @@ def _fork_engine(request: dict, keep_fds: tuple[int, ...]) -> int:
     finally:
         _exit(code)
     return 0  # not reached
+
+
+#: [how many modules were imported, their files one a line] when last listed
+_LISTED: list = [0, ""]
+
+
+def module_files() -> str:
+    """The file of every imported module, one a line, as ipykernel's kernel lists them as
+    it starts (``engine.modules_listed``): listed here once for every engine forked until
+    more modules are imported. In the server, whose pages its engines share, the first
+    listing after a fork copies pages too, once; in each engine it would every time."""
+    if _LISTED[0] != len(sys.modules):
+        listed = [m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
+        _LISTED[:] = [len(sys.modules), "\n".join(listed)]
+    return _LISTED[1]
 
 
 def _become_engine(request: dict, argv: list[str], out: int, keep_fds: tuple[int, ...]) -> None:

@@ -6,6 +6,7 @@ so machine noise hits both alike. Absolute times are reported only for context.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -253,8 +254,6 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
 
-    from .echo_floor import echo_rounds
-
     def measure(n: int, alone: bool) -> dict:
         t0 = time.perf_counter()
         c = DistCluster(n=n, config=DistConfig(spare_engines=0)).start()
@@ -291,7 +290,7 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
             )
         finally:
             c.shutdown()
-        floor = echo_rounds(n, 1000)  # the same number of bare processes, the cluster gone
+        floor = echo_floor(n, 1000)  # the same number of bare processes, the cluster gone
         return {
             **by_itself,
             "echo_floor_s": floor["wall_s"],
@@ -339,6 +338,18 @@ PRINTING = (
     "for i in range(1000):\n    print(f'r{nd.rank} line {i}')\n"
     "time.perf_counter() - _t0"
 )
+
+
+def echo_floor(n: int, rounds: int) -> dict:
+    """``echo_floor.py``'s rounds of ``n`` bare processes, in a process of its own."""
+    got = subprocess.run(
+        [sys.executable, str(HERE / "echo_floor.py"), str(n), str(rounds)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(got.stdout)
 
 
 def print_lines(cluster, n: int) -> tuple[float, float]:

@@ -39,6 +39,20 @@ def test_ranks_are_forked_from_one_server_and_nothing_outlives_the_cluster(monke
         # no engine serves), not out of reach: a cell imports it
         r = c.run("was = 'debugpy' in sys.modules\nimport debugpy\n(was, debugpy.__name__)")
         assert not r.errors and dict(r.values) == {k: (False, "debugpy") for k in range(3)}
+        # the kernel listed the modules' files from the server's list (not by touching
+        # every module it shares with the server), then left ipykernel as it was: the
+        # engine's event loop module, imported after the fork and before the kernel was
+        # made, is not in it, torch is
+        r = c.run(
+            "import ipykernel.ipkernel as ik\nfrom IPython import get_ipython\n"
+            "listed = get_ipython().kernel._kernel_modules\n"
+            "loop = sys.modules['tornado.platform.asyncio'].__file__\n"
+            "(any(f.endswith('torch/__init__.py') for f in listed), loop in listed, "
+            "ik.sys is sys, ik.IPythonKernel.__init__.__name__)"
+        )
+        assert not r.errors and dict(r.values) == {
+            k: (True, False, True, "__init__") for k in range(3)
+        }, r.values
         pids = [rk.pid for rk in c.ranks] + [server.pid]
     assert wait_until(lambda: not pids_alive(pids), 10), pids_alive(pids)
 

@@ -258,7 +258,11 @@ class _Places(ast.NodeVisitor):
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    names = {"signal": self.signal_names, "subprocess": self.subprocess_names}
+                    names = {
+                        "signal": self.signal_names,
+                        "_signal": self.signal_names,  # (the signal module's C half)
+                        "subprocess": self.subprocess_names,
+                    }
                     names.get(alias.name, set()).add(alias.asname or alias.name)
         self.visit(tree)
 
@@ -300,13 +304,13 @@ def _signalling_places(root: Path) -> list[tuple[str, str, str, int]]:
 
 def test_the_source_reader_sees_every_way_of_writing_a_signal():
     source = """
-import os as o, signal as s, subprocess as sp
+import os as o, signal as s, subprocess as sp, _signal
 from os import kill
 from subprocess import run
 def f(p, pid):
     o.kill(pid, 9); o.killpg(pid, 9); s.pidfd_send_signal(3, 9); getattr(o, "kill")(pid, 9)
     p.send_signal(9); p.terminate(); p.kill(); launcher.signal(9); k = o.kill
-    sp.run(["x"], timeout=1); sp.check_output(["x"]); s.signal(2, None)
+    sp.run(["x"], timeout=1); sp.check_output(["x"]); s.signal(2, None); _signal.signal(2, None)
 """
     forms = [form for _, form, _ in _Places(ast.parse(source)).found]
     assert forms == [
@@ -323,7 +327,7 @@ def f(p, pid):
         "o.kill",
         "sp.run",
         "sp.check_output",
-    ], forms  # s.signal (a handler) is not a signal sent
+    ], forms  # s.signal and _signal.signal (a handler) are not a signal sent
 
 
 def test_nothing_but_the_allowed_places_signals_a_process():

@@ -26,7 +26,6 @@ from __future__ import annotations
 import _signal
 import hmac
 import pickle
-import signal
 import sys
 import traceback
 from typing import Any
@@ -36,8 +35,6 @@ REQUEST, REPLY, HELLO = b"Q", b"R", b"H"
 #: a reply's body begins with the request's id (32 hex digits), then status, wrote and how
 #: (a byte each)
 REPLY_HEAD = 35
-
-_SIGINT = int(signal.SIGINT)  # (as _signal takes it)
 
 #: the lane's streams on this engine (one set at a time: a reconnect replaces them)
 _STREAM: list[Any] = []
@@ -197,11 +194,11 @@ def serve_express(kernel, sock, frames: list) -> None:
     try:
         # Ctrl-C is a KeyboardInterrupt in the call, as the kernel's pre_handler_hook does,
         # without the signal module's enum conversions (a tenth of an empty cell's time)
-        saved = _signal.signal(_SIGINT, _signal.default_int_handler)
+        saved = _signal.signal(_signal.SIGINT, _signal.default_int_handler)
         try:
             status, value = "ok", func(*args)
         finally:
-            _signal.signal(_SIGINT, saved)
+            _signal.signal(_signal.SIGINT, saved)
     except BaseException as exc:  # KeyboardInterrupt between the call and its reply too
         status, value = "error", _failure(exc)
     flush_written(wrote_before)

@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     if "scale" in only:
         print("scale ...", flush=True)
         sizes = (2, 4, 16) if quick else cases.SCALE_SIZES
-        results["scale"] = cases.scale(2 if quick else 5, 10 if quick else 30, sizes)
+        results["scale"] = cases.scale(2 if quick else 9, 10 if quick else 30, sizes)
     if "monarch" in only:
         print("monarch ...", flush=True)
         results["monarch"] = cases.monarch(3 if quick else 9)

@@ -313,6 +313,29 @@ def _in_order_classes() -> tuple[type, type]:
     return _IN_ORDER[0], _IN_ORDER[1]
 
 
+#: [the ordered record's class, a new record's entries as ipyparallel's Metadata makes them,
+#: those made anew for each record (a list, a dict) with their type]
+_FRESH: list = []
+
+
+def ordered_record() -> dict:
+    """A new record for one request (ipyparallel's Metadata) that notes the order its two
+    streams grow in from the start: what :func:`in_order` makes of a new one, made so at
+    once (a cell's record for each rank, on the way to every rank's request)."""
+    if not _FRESH:
+        metadata, in_order_class = _in_order_classes()
+        fresh = dict(metadata())
+        made = {k: type(v) for k, v in fresh.items() if isinstance(v, (list, dict))}
+        _FRESH.extend((in_order_class, fresh, made))
+    in_order_class, fresh, made = _FRESH
+    md = dict.__new__(in_order_class)
+    dict.update(md, fresh)
+    for key, kind in made.items():
+        dict.__setitem__(md, key, kind())
+    md.__dict__["_notebook_dist_order"] = [("stdout", 0), ("stderr", 0)]
+    return md
+
+
 def in_order(md: dict) -> list[tuple[str, int]] | None:
     """The order ``md``'s two streams grew in, from now on (what came before comes
     stdout first), or None for metadata that is not ipyparallel's."""

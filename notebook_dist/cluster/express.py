@@ -142,8 +142,12 @@ class ExpressResult:
     def __init__(self, lane, msg_ids: list[str], engines: list[str]):
         self._lane = lane
         self.msg_ids = msg_ids
+        from ..output import ordered_record
+
         metadata, futures = lane.client.metadata, lane.client._output_futures  # (traits)
-        self._metadata = [metadata[m] for m in msg_ids]
+        self._metadata = [ordered_record() for _ in msg_ids]
+        for m, md in zip(msg_ids, self._metadata):  # (before the request is sent)
+            metadata[m] = md
         self._children = [Reply(m, e) for m, e in zip(msg_ids, engines)]
         self._outputs = [OutputDone() for _ in msg_ids]
         for m, out in zip(msg_ids, self._outputs):

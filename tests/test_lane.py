@@ -245,6 +245,32 @@ def test_an_express_request_not_signed_with_the_clusters_key_is_not_run(tmp_path
         assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
 
 
+def test_express_requests_that_queue_up_are_each_served_once_in_order(tmp_path):
+    """Requests that reach a rank while it runs another (the socket's descriptor signals
+    once for them all) are each run once, in the order sent, and answered: 20 nested
+    folders, each one's parent made by the request before it, asked for while the rank
+    sleeps."""
+    import os
+    import time as _time
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
+        c.run("pass")
+        lane, ids = c.processes.lane, c.processes.engine_ids
+        view = c.processes.view
+        busy = lane.express(ids, view, _time.sleep, 0.5)
+        paths = [str(tmp_path.joinpath(*map(str, range(i + 1)))) for i in range(20)]
+        calls = [lane.express(ids[:1], view, os.mkdir, path) for path in paths]
+        for call in [busy, *calls]:
+            assert call is not None and call.wait(30)
+        assert [call._children[0].result() for call in calls] == [None] * 20
+        assert os.path.isdir(paths[-1])
+        assert not lane.pending
+        assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
+
+
 LANE_CONNECTIONS = """
 def lane_connections():
     from notebook_dist.runtime import recover

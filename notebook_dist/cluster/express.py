@@ -15,6 +15,8 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from functools import partial
 
+from ..output import ordered_record
+
 
 class ExpressError(Exception):
     """A rank could not run an express call, or could not send back what it returned."""
@@ -142,8 +144,6 @@ class ExpressResult:
     def __init__(self, lane, msg_ids: list[str], engines: list[str]):
         self._lane = lane
         self.msg_ids = msg_ids
-        from ..output import ordered_record
-
         metadata, futures = lane.client.metadata, lane.client._output_futures  # (traits)
         self._metadata = [ordered_record() for _ in msg_ids]
         for m, md in zip(msg_ids, self._metadata):  # (before the request is sent)

@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 
-from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, REQUEST, Seal
+from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, REQUEST, SNDMORE, Seal, received
 from .express import ExpressError, ExpressResult, Records
 
 log = logging.getLogger("notebook_dist")
@@ -135,7 +135,7 @@ class Lane:
             for engine, msg_id, reply in zip(engines, msg_ids, result._children):
                 self.pending[msg_id] = reply
                 try:
-                    send(engine.encode(), _SNDMORE)
+                    send(engine.encode(), SNDMORE)
                     send(request)
                 except Exception as exc:  # zmq: the engine is not connected (it died)
                     self.pending.pop(msg_id, None)
@@ -158,7 +158,7 @@ class Lane:
                 return
             while True:
                 try:
-                    frames = _received(sock)
+                    frames = received(sock)
                 except zmq.Again:
                     return
                 self._take(frames)
@@ -244,16 +244,3 @@ class Lane:
                 self._on_io_loop(lambda: stream.close(linger=0), timeout=2.0)
             except Exception:  # its loop is gone: closed from here
                 stream.socket.close(linger=0)
-
-
-#: zmq's flags as plain ints (pyzmq's send_multipart and recv_multipart combine enum flags
-#: for every frame: a tenth of a cell's CPU at 16 ranks)
-_SNDMORE, _NOBLOCK = 2, 1
-
-
-def _received(sock) -> list:
-    """One whole message, without waiting (zmq.Again when none has come)."""
-    frames = [sock.recv(_NOBLOCK, copy=False)]
-    while frames[-1].more:
-        frames.append(sock.recv(copy=False))
-    return frames

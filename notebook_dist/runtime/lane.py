@@ -126,9 +126,7 @@ class _Reader:
         # (reading them is what lets the descriptor signal again)
         if sock is None or not sock.getsockopt(_EVENTS) & _POLLIN:
             return
-        frames = [sock.recv(_NOBLOCK, copy=False)]
-        while frames[-1].more:
-            frames.append(sock.recv(copy=False))
+        frames = received(sock)
         try:
             self.handle(frames)
         except Exception:  # (serve_express answers every request itself)
@@ -145,8 +143,18 @@ class _Reader:
             sock.close(linger=linger)
 
 
-#: zmq's option and flags as plain ints (the enum conversions cost more than the calls)
-_EVENTS, _POLLIN, _NOBLOCK = 15, 1, 1
+#: zmq's option and flags as plain ints (pyzmq's enum conversions, and send_multipart's and
+#: recv_multipart's combining of flags for every frame, cost more than the calls)
+_EVENTS, _POLLIN, _NOBLOCK, SNDMORE = 15, 1, 1, 2
+
+
+def received(sock) -> list:
+    """One whole message, without waiting (zmq.Again when none has come); its frames as
+    zmq Frames."""
+    frames = [sock.recv(_NOBLOCK, copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(copy=False))
+    return frames
 
 
 def _dealer(zmq, kernel, url: str):

@@ -274,3 +274,26 @@ def test_a_cluster_runs_that_controller_and_its_ranks_work():
             assert grown_mib < 10, (rank, grown_mib)
         pids = [rk.pid for rk in c.ranks] + [controller.process.pid]
     assert wait_until(lambda: not pids_alive(pids), 10), pids_alive(pids)
+
+
+def test_rank_0s_store_is_up_before_the_others_connect_and_serves_them_when_they_do(
+    monkeypatch,
+):
+    """torch's store waits for every rank to connect, polling their count every 10 ms
+    (10-12 ms of each 2-rank group's start here, more at 16); the group's own rendezvous
+    waits for each rank anyway. Rank 0's store is up with nobody connected, and serves a
+    rank that connects afterwards."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from notebook_dist.runtime import group
+
+    port = group.open_rendezvous("127.0.0.1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    # a store that waited for the other rank would fail here after its 2 s
+    store = group.rendezvous_store(0, 2, timeout_s=2.0)
+    later = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=10))
+    later.set("came", "afterwards")
+    assert store.get("came") == b"afterwards"

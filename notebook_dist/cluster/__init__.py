@@ -167,13 +167,19 @@ class DistCluster:
             )
         self.state = "starting"
         t0 = time.perf_counter()
+        asked: list[tuple] = []  # rank 0's port, asked for as soon as its engine registers
+
+        def ask(engine_id: int) -> None:
+            if self.port is None:
+                asked.append(rank_setup.ask_rendezvous(self.processes, self.plan, engine_id))
+
         try:
-            ordered = self.processes.start(self.world_size)
+            ordered = self.processes.start(self.world_size, first_registered=ask)
             plan = ordered and self.launcher.replan(ordered, self.processes.here, self.request)
             if plan:  # the hosts' own GPUs and addresses are known now (ssh)
                 self.plan, self.notes = plan, list(plan.notes)
             self.ranks, self.bootstrap_info, notes = rank_setup.join(
-                self.processes, self.plan, self.config, self.port
+                self.processes, self.plan, self.config, self.port, asked[0] if asked else None
             )
             self.notes += notes
             self.processes.ranks_joined(self.ranks)

@@ -38,7 +38,9 @@ class AttachedProcesses(Processes):
         self._order = engine_order
         self.notes: list[str] = []
 
-    def start(self, n: int) -> None:
+    def start(self, n: int, first_registered=None) -> None:
+        """The engines registered before: nothing to wait for, and rank 0's port is asked for
+        as the ranks join (``first_registered`` is not called)."""
         # a private folder for the control files, removed if the kernel dies
         self.profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
         self.reaper = Reaper()

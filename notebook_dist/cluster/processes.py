@@ -73,9 +73,12 @@ class Processes:
 
     # ---- starting ---------------------------------------------------------------------
 
-    def start(self, n: int) -> list[dict] | None:
+    def start(self, n: int, first_registered=None) -> list[dict] | None:
         """The controller, then ``n`` engines, until all registered. Returns the engines'
-        probes in rank order when the launcher orders ranks by them, else None."""
+        probes in rank order when the launcher orders ranks by them, else None.
+        ``first_registered(engine_id)`` is called once, as soon as the engine that is to be
+        rank 0 has registered, while the others may still start (when ranks follow the
+        engines' ids: the first id is rank 0's)."""
         self.profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
         self.reaper = Reaper()
         self.reaper.remove_on_exit(self.profile_dir)
@@ -110,7 +113,10 @@ class Processes:
             if proc is not None:
                 self.reaper.watch(proc)
         wait_registered(
-            self, n, lambda: launcher.check_starting(engine_set, launchers, len(client.ids), n)
+            self,
+            n,
+            lambda: launcher.check_starting(engine_set, launchers, len(client.ids), n),
+            None if launcher.ordered_by_probe else first_registered,
         )
         self.engine_ids = sorted(client.ids)[:n]
         #: pid -> launcher of every engine started here (the ranks', spares' added later)
@@ -396,13 +402,24 @@ def controller_environment() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (where, os.environ.get("PYTHONPATH")) if p)}
 
 
-def wait_registered(processes: Processes, n: int, check_starting) -> None:
+#: the id ipyparallel's controller gives the first engine of a cluster (rank 0's, when ranks
+#: follow the engines' ids)
+FIRST_ENGINE_ID = 0
+
+
+def wait_registered(processes: Processes, n: int, check_starting, first=None) -> None:
     """Until ``n`` engines registered at the client (``check_starting()`` raises when the
-    launcher knows they cannot), or the start's time is up."""
+    launcher knows they cannot), or the start's time is up; ``first(engine_id)`` is called
+    once the first engine has registered (at the latest, with the last one)."""
     client, timeout_s = processes.client, processes.config.start_timeout_s
     deadline = time.monotonic() + timeout_s
     next_sync = time.monotonic() + 1.0
-    while len(client.ids) < n:
+    while True:
+        if first is not None and FIRST_ENGINE_ID in client.ids:
+            first, call = None, first
+            call(FIRST_ENGINE_ID)
+        if len(client.ids) >= n:
+            return
         check_starting()
         if time.monotonic() > next_sync:
             sync_registered(client)

@@ -212,13 +212,18 @@ def open_rendezvous(addr: str) -> int:
     """On rank 0's engine: the store's socket, bound to ``addr`` on a port the OS picks and
     listening from now on; returns the port. Nothing else can take the port between its
     choice and the store's start (a port found free and closed again can be)."""
-    for old in _listening.values():
-        old.close()
-    _listening.clear()
+    close_rendezvous()
     sock = _listening_socket(addr, 0)
     port = sock.getsockname()[1]
     _listening[port] = sock
     return port
+
+
+def close_rendezvous() -> None:
+    """The sockets :func:`open_rendezvous` opened here and no store took, closed."""
+    for old in _listening.values():
+        old.close()
+    _listening.clear()
 
 
 def rendezvous_store(rank: int, world_size: int, timeout_s: float):

@@ -54,9 +54,11 @@ PREIMPORTS = (
     "ipykernel.ipkernel",
     "ipykernel.debugger",  # without debugpy: see NOT_IMPORTED
     "IPython.core.completerlib",
+    "IPython.core.oinspect",  # (the kernel's shell imports it as the engine registers)
     "IPython.extensions.storemagic",
     "sqlite3",  # the shell's history
     "tornado.gen",
+    "tornado.platform.asyncio",  # (the kernel's event loop, as the engine registers)
     "tornado.queues",
     "faulthandler",
     "notebook_dist.signals",

@@ -29,14 +29,25 @@ def warm() -> int:
 
 def preload() -> None:
     """torch, what an optimizer loads when the first one is made, and the modules a rank
-    loads as it joins a group (an optimizer's first one alone is ~1 s here)."""
+    loads as it joins a group and runs its first cell (an optimizer's first one alone is
+    ~1 s here; the first cell's modules 10 ms, for each rank)."""
     import cloudpickle  # noqa: F401
     import torch
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
     from torch.testing._internal.distributed import fake_pg  # noqa: F401
 
-    from . import agent, debugger, launch, recover, streams, tracker  # noqa: F401
+    from . import (  # noqa: F401
+        agent,
+        cell,
+        debugger,
+        lane,
+        launch,
+        recover,
+        streams,
+        tracker,
+        workspace,
+    )
 
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo & co.
 

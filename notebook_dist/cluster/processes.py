@@ -75,10 +75,8 @@ class Processes:
 
     def start(self, n: int, first_registered=None) -> list[dict] | None:
         """The controller, then ``n`` engines, until all registered. Returns the engines'
-        probes in rank order when the launcher orders ranks by them, else None.
-        ``first_registered(engine_id)`` is called once, as soon as the engine that is to be
-        rank 0 has registered, while the others may still start (when ranks follow the
-        engines' ids: the first id is rank 0's)."""
+        probes in rank order when the launcher orders ranks by them, else None. Ranks that
+        follow the engines' ids: ``first_registered(id)`` once rank 0's engine registered."""
         self.profile_dir = tempfile.mkdtemp(prefix="notebook_dist-")
         self.reaper = Reaper()
         self.reaper.remove_on_exit(self.profile_dir)

@@ -341,3 +341,60 @@ def wait_reading(thread, reading, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.005)
     return False
+
+
+RANK_STREAM = r"""
+import json, os, sys, time
+import zmq
+from ipykernel.iostream import IOPubThread
+from jupyter_client.session import Session
+from notebook_dist.runtime.outstream import RankOutStream
+
+pub = IOPubThread(zmq.Context.instance().socket(zmq.PUB))
+pub.start()
+stream = RankOutStream(Session(), pub, "stdout", watchfd="force")
+got = []
+
+def slow_write(text):  # a busy machine: the thread is off the core between read and write
+    time.sleep(0.3)
+    got.append(text)
+
+stream.write = slow_write
+said = {}
+os.write(1, b"raw \xff line\n")
+said["settled"] = stream.settle(10)
+said["first"] = "".join(got)
+os.write(1, b"caf\xc3")  # a character split over two writes, read apart
+time.sleep(0.2)
+os.write(1, b"\xa9\nend \xc3")  # and one the cell leaves incomplete
+stream.settle(10)
+said["all"] = "".join(got)
+stream.write = lambda text: None
+stream.close()
+pub.stop()
+print("\n" + json.dumps(said))
+"""
+
+
+def test_a_ranks_stream_settles_once_what_its_thread_read_is_written(tmp_path):
+    """runtime.outstream.RankOutStream, the stream a rank's engine makes, in a process of its
+    own (it moves that process's file descriptor 1): a cell's end waits for bytes the
+    thread has read and not yet written (a look at the pipe and the thread from outside
+    took that state for idle, and CI lost a rank's os.write line); a character split over
+    two reads is shown whole, and one left incomplete as a replacement."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank_stream.py"
+    script.write_text(RANK_STREAM)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, errors="replace",
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["settled"] and said["first"] == "raw \ufffd line\n"
+    assert said["all"] == "raw \ufffd line\ncaf\u00e9\nend \ufffd"
+    # what the thread read also went, as bytes, to the process's own stdout (its log)
+    assert "raw \ufffd line\ncaf\u00e9\nend \ufffd" in done.stdout

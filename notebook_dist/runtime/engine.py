@@ -94,9 +94,14 @@ def main(module_files: str | None = None) -> None:
     threading.Thread(target=_preimport, name="notebook_dist-preimport", daemon=True).start()
     if module_files is not None:
         modules_listed(module_files)
+    import sys
+
     from ipyparallel.engine.app import main as engine_main
 
-    engine_main()
+    from .outstream import FLAG
+
+    # first, so that an out_stream_factory on the command line still wins
+    engine_main(argv=[FLAG, *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ PREIMPORTS = (
     "notebook_dist.runtime.debugger",
     "notebook_dist.runtime.launch",
     "notebook_dist.runtime.recover",
+    "notebook_dist.runtime.outstream",
     "notebook_dist.runtime.streams",
     "notebook_dist.runtime.tracker",
 )

@@ -128,7 +128,14 @@ def drain(timeout: float = 5.0) -> None:
 def _drain_fd(stream, timeout: float) -> None:
     """Wait until what the cell wrote to the stream's file descriptor (os.write, C
     libraries, subprocesses) has been read by ipykernel's pipe thread, so it is part of
-    this cell's output and not the next one's."""
+    this cell's output and not the next one's. A rank's own stream
+    (:class:`~notebook_dist.runtime.outstream.RankOutStream`) knows; ipykernel's, in an
+    engine the user started, is watched from outside, which can miss bytes read and not
+    yet written."""
+    settle = getattr(stream, "settle", None)
+    if settle is not None:
+        settle(timeout)
+        return
     import fcntl
     import termios
     import time

@@ -1,0 +1,88 @@
+"""A rank's stdout and stderr as the engine makes them: ipykernel's ``OutStream``, whose
+thread that reads the stream's file descriptor can be waited for exactly.
+
+ipykernel moves file descriptors 1 and 2 onto pipes, and a thread reads each pipe and
+writes what it read to the stream, so what C libraries, subprocesses and ``os.write``
+print reaches the notebook. At a cell's end the rank waits for that thread, or the output
+would show in the next cell or not at all. ipykernel's thread gives no sign of having
+read bytes it has not yet written: between its ``os.read`` returning and its write, the
+pipe is empty and the thread looks idle. Here the thread reads and writes under a lock
+(:attr:`RankOutStream.handling`), so :meth:`RankOutStream.settle` knows: with the lock held
+and the pipe empty, everything written before is in the stream.
+
+The thread also decodes UTF-8 across reads: a character split between two reads is shown
+whole, not as two replacement characters.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import select
+import sys
+import threading
+import time
+
+from ipykernel.iostream import PIPE_BUFFER_SIZE, OutStream
+
+#: how a rank's engine is told to make its streams (added ahead of its command line)
+FLAG = f"--IPEngine.out_stream_factory={__name__}.RankOutStream"
+
+
+class RankOutStream(OutStream):
+    """ipykernel's ``OutStream``; the thread reading the file descriptor holds
+    :attr:`handling` from each read to the end of its write."""
+
+    def _setup_stream_redirects(self, name):
+        self.handling = threading.Lock()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        super()._setup_stream_redirects(name)
+
+    def _watch_pipe_fd(self):
+        fid = self._fid
+        if fid is None:
+            return
+        poller = select.poll()
+        poller.register(fid, select.POLLIN)
+        try:
+            while True:
+                poller.poll()  # (not under the lock: a cell's end finds the pipe idle)
+                with self.handling:
+                    data = os.read(fid, PIPE_BUFFER_SIZE)
+                    if not data or not self._should_watch:
+                        return  # closed: ipykernel's close() wakes it with one byte
+                    self._pass_on(data, final=False)
+        except Exception:
+            self._exc = sys.exc_info()
+
+    def _pass_on(self, data: bytes, final: bool) -> None:
+        text = self._decoder.decode(data, final)
+        if text:
+            self.write(text)
+        if data:
+            os.write(self._original_stdstream_copy, data)  # the engine's log, as ipykernel
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until what was written to the file descriptor before this call is in the
+        stream (a character left incomplete is written as a replacement); False when the
+        pipe was still not empty after ``timeout`` seconds."""
+        import fcntl
+        import termios
+
+        thread = getattr(self, "watch_fd_thread", None)
+        if thread is None or not thread.is_alive():
+            return True
+        count = bytearray(4)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.handling:
+                try:
+                    fcntl.ioctl(self._fid, termios.FIONREAD, count)
+                except OSError:  # closed meanwhile
+                    return True
+                if int.from_bytes(count, sys.byteorder) == 0:
+                    self._pass_on(b"", final=True)
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)

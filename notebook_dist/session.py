@@ -48,6 +48,15 @@ class Session:
         request.check()
         live = self.current()
         if live is not None and getattr(live, "asked", None) == request:
+            ended = _ended(live)
+            if ended:  # the cell run again after a crash: the ranks it asks for, working
+                said = [
+                    f"notebook_dist: {ended}; restarting the cluster's ranks (their variables "
+                    "are lost)."
+                ]
+                said += self.restart(replay=False)
+                request.settings(self.live())
+                return said
             request.settings(live)
             return [
                 f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend})."
@@ -266,6 +275,15 @@ class Session:
         cluster = self.current()
         world_size = cluster.world_size if cluster is not None else 2
         return write_script(path, cells, raw_history, self.records, world_size)
+
+
+def _ended(cluster: DistCluster) -> str:
+    """What of a running cluster has ended ("" when nothing has): its controller, or
+    which ranks and how."""
+    if not cluster.controller_alive():
+        return "the cluster's controller has ended"
+    dead = cluster.dead_ranks()
+    return "; ".join(f"rank {r} {how}" for r, how in sorted(dead.items()))
 
 
 def unquoted(word: str) -> str:

@@ -263,6 +263,30 @@ def test_status_and_reuse(live, run):
     assert out.stdout.strip() == "notebook_dist: reusing the running cluster (2 ranks, gloo)."
 
 
+def test_dist_init_run_again_after_a_rank_ended_restarts_the_ranks(live, run):
+    """The %dist_init cell run again after a crash gives the ranks it asks for, working:
+    it says what had ended and restarts them, rather than reusing a cluster a rank of
+    which is gone."""
+    from notebook_dist import session
+
+    pids = [r.pid for r in live.ranks]
+    out = run("%%distributed\nimport os\nif nd.rank == 1:\n    os._exit(5)")
+    assert type(out.error).__name__ == "ClusterError"
+    out = run("%dist_init -n 2 --backend gloo")
+    assert out.error is None, out.output
+    said = out.stdout.strip().splitlines()
+    assert said[0] == (
+        "notebook_dist: rank 1 exited with code 5; restarting the cluster's ranks (their "
+        "variables are lost)."
+    ), said
+    assert said[1].startswith("notebook_dist: restarted 2 ranks (gloo) in "), said
+    fresh = session.current()
+    assert fresh.dead_ranks() == {} and not {r.pid for r in fresh.ranks} & set(pids)
+    assert dict(fresh.run("nd.rank").values) == {0: 0, 1: 1}
+    out = run("%dist_init -n 2 --backend gloo")
+    assert out.stdout.strip() == "notebook_dist: reusing the running cluster (2 ranks, gloo)."
+
+
 def test_preflight_errors_before_anything_starts(live, run):
     out = run("%dist_init --backend nccl")
     assert type(out.error).__name__ == "UsageError"

@@ -33,14 +33,13 @@ def rendezvous_port(processes: Processes, plan: ClusterPlan, asked=None) -> int:
     it listening, so no other process can take the port before the store starts.
     ``asked``: what :func:`ask_rendezvous` asked of an engine earlier, used if that engine
     is rank 0's."""
-    if asked is not None:
-        engine_id, answer = asked
-        if engine_id == processes.engine_ids[0]:
-            return answer.get(timeout=processes.config.start_timeout_s)
+    first = processes.engine_ids[0]
+    if asked is not None and asked[0] != first:
         # (not rank 0 after all: its socket is closed, whenever it has answered)
-        processes.client[engine_id].apply_async(rt_group.close_rendezvous)
-    addr = plan.ranks[0].env["MASTER_ADDR"]
-    return processes.client[processes.engine_ids[0]].apply_sync(rt_group.open_rendezvous, addr)
+        processes.client[asked[0]].apply_async(rt_group.close_rendezvous)
+        asked = None
+    _, answer = asked or ask_rendezvous(processes, plan, first)
+    return answer.get(timeout=processes.config.start_timeout_s)
 
 
 def ask_rendezvous(processes: Processes, plan: ClusterPlan, engine_id: int) -> tuple:

@@ -182,7 +182,8 @@ class DistMagics(Magics):
 
         Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
         MASTER_PORT as torchrun sets them. Running it again with the same arguments
-        keeps the live cluster; with other arguments it replaces it.
+        keeps the live cluster (or restarts its ranks, if one has ended); with other
+        arguments it replaces it.
         """
         args = parse_argstring(self.dist_init, line)
         with usage_errors():

@@ -1000,6 +1000,23 @@ def test_the_watch_reads_a_timeout_whether_the_cell_raised_or_caught_it():
     assert timed_out({**closed, 0: view(0)}) == {}
 
 
+def test_a_rank_released_in_python_and_interrupted_reads_as_interrupted():
+    """A dead rank's peer is released and interrupted in one poll when the kernel polls
+    late (a busy machine): released from a collective, it reads as it waited there; in
+    Python code, the release freed it from nothing and the interrupt is what it did (the
+    verdict said it "still runs Python code, which the interrupt did not stop")."""
+    from notebook_dist.watch.inputs import doctor_input
+
+    interrupted = {"ename": "KeyboardInterrupt", "evalue": "", "traceback": ""}
+    python, waiting = view(0, "error", error=interrupted), view(1, "error", error=interrupted)
+    python.released, python.before_release = True, {"collective": None, "stack": []}
+    waiting.released = True
+    waiting.before_release = {"collective": rec(1, "all_reduce", 5), "stack": []}
+    report = doctor_input({0: python, 1: waiting}, CELL, fault_report=None, before_release=True)
+    assert report[0].status == "error" and report[0].error[0] == "KeyboardInterrupt"
+    assert report[1].status == "running" and report[1].snap["collective"]["op"] == "all_reduce"
+
+
 TIMED_CELL = (
     "%%distributed\nt = torch.ones(2)\nif nd.rank == 0:\n    try:\n        dist.all_reduce(t)\n"
     "    except RuntimeError:\n        pass\n"

@@ -21,7 +21,7 @@ def doctor_input(
     timed = timed_out(views) if before_release else {}
     out: dict[int, RankReport] = {}
     for r, v in views.items():
-        if before_release and v.released:
+        if before_release and v.released and not interrupted_in_python(v):
             out[r] = RankReport("running", v.before_release or v.snap)
         elif r in timed:  # as it was while it waited, before torch's timeout ended the wait
             rec = {k: x for k, x in timed[r].items() if k not in ("t1", "failed")}
@@ -39,6 +39,20 @@ def doctor_input(
         else:
             out[r] = RankReport(v.status, v.snap)
     return out
+
+
+def interrupted_in_python(v: RankView) -> bool:
+    """A rank released while in Python code, not in a collective, which the interrupt sent
+    with the release ended (a dead rank's peers get both at once when the kernel polls
+    late, as on a busy machine): the release freed it from nothing, and its interrupt is
+    what it did."""
+    error = (v.result or {}).get("error") or {}
+    before = v.before_release or v.snap or {}
+    return (
+        v.status == "error"
+        and error.get("ename") == "KeyboardInterrupt"
+        and not before.get("collective")
+    )
 
 
 def broken(views: dict[int, RankView]) -> dict[int, dict]:

@@ -48,19 +48,9 @@ class Session:
         request.check()
         live = self.current()
         if live is not None and getattr(live, "asked", None) == request:
-            ended = _ended(live)
-            if ended:  # the cell run again after a crash: the ranks it asks for, working
-                said = [
-                    f"notebook_dist: {ended}; restarting the cluster's ranks (their variables "
-                    "are lost)."
-                ]
-                said += self.restart(replay=False)
-                request.settings(self.live())
-                return said
-            request.settings(live)
-            return [
-                f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend})."
-            ]
+            said = _again(self, live)
+            request.settings(self.live())
+            return said
         wanted = request.cluster()  # checked and planned before anything is stopped
         said = []
         if live is not None:
@@ -275,6 +265,19 @@ class Session:
         cluster = self.current()
         world_size = cluster.world_size if cluster is not None else 2
         return write_script(path, cells, raw_history, self.records, world_size)
+
+
+def _again(session: Session, live: DistCluster) -> list[str]:
+    """The running cluster asked for again: reused, or its ranks restarted when one of
+    them (or the controller) has ended, as when the %dist_init cell runs again after a
+    crash. What to say."""
+    ended = _ended(live)
+    if not ended:
+        return [
+            f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend})."
+        ]
+    said = f"notebook_dist: {ended}; restarting the cluster's ranks (their variables are lost)."
+    return [said, *session.restart(replay=False)]
 
 
 def _ended(cluster: DistCluster) -> str:

@@ -301,7 +301,10 @@ def test_raw_bytes_from_a_rank_are_shown_not_fatal(monkeypatch):
             c.run(f"os.write(1, b'line {i}\\n')", out=out)
             assert sorted(out.getvalue().splitlines()) == [f"[rank {k}] line {i}" for k in (0, 1)]
         # a character split over two writes that the pipe's thread reads apart
-        c.run("import time\nos.write(1, b'caf\\xc3')\ntime.sleep(0.1)\nos.write(1, b'\\xa9!\\n')", out=out)
+        c.run(
+            "import time\nos.write(1, b'caf\\xc3')\ntime.sleep(0.1)\nos.write(1, b'\\xa9!\\n')",
+            out=out,
+        )
         assert "[rank 1] caf\u00e9!" in out.getvalue().splitlines()
         r = c.run("print('caf\\udce9')", out=out)  # a lone surrogate printed
         assert not r.errors and "[rank 1] caf\ufffd" in out.getvalue().splitlines()

@@ -389,7 +389,10 @@ def test_a_ranks_stream_settles_once_what_its_thread_read_is_written(tmp_path):
     script = tmp_path / "rank_stream.py"
     script.write_text(RANK_STREAM)
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, errors="replace",
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        errors="replace",
         timeout=60,
     )
     assert done.returncode == 0, done.stderr

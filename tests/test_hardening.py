@@ -133,7 +133,9 @@ def test_a_rank_ending_itself_is_reported_at_its_line_and_restart_recovers(
     try:
         with pytest.raises(ClusterError) as info:
             live.run(cell, filename="Cell In[77]", header="%%distributed")
-        assert str(info.value).startswith(report), str(info.value)
+        rank = int(report.split()[1])
+        fault = live.processes.control_file(rank, "fault")  # what the report read
+        assert str(info.value).startswith(report), (str(info.value), open(fault).read())
     finally:  # the ranks the later tests share come back, whatever the report said
         out = run("%dist_restart")
     assert out.error is None, out.output

@@ -73,6 +73,8 @@ def ipcluster():
         check=True,
         capture_output=True,
         timeout=120,
+        # engines as a user's: ipykernel watches their file descriptors, except under pytest
+        env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
     )
     import ipyparallel as ipp
 
@@ -106,6 +108,12 @@ def test_attach_runs_ranks_and_leaves_the_engines_running(ipcluster, no_current,
     )
     assert out.error is None, out.output
     assert dict(out.result.result) == {0: (3.0, "0", "127.0.0.1"), 1: (3.0, "1", "127.0.0.1")}
+    # the engine's streams became a rank's (runtime.outstream.adopt): a cell's os.write is
+    # that cell's output (1 line in 9 came late or not at all with ipykernel's own thread)
+    for i in range(15):
+        out = run(f"%%distributed\nos.write(1, b'line {i}\\n')")
+        said = sorted(ln for ln in out.stdout.splitlines() if ln.endswith(f"line {i}"))
+        assert said == [f"[rank {r}] line {i}" for r in (0, 1)], out.output
     again = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id}")
     assert again.stdout.strip() == "notebook_dist: reusing the running cluster (2 ranks, gloo)."
     out = run("%dist_restart")

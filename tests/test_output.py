@@ -291,58 +291,6 @@ def test_progress_bars_and_rich_displays_say_their_rank(kernel):
         assert shown[html[0] - 1].get("text/plain") == f"[rank {r}]", shown
 
 
-def test_the_cells_end_waits_while_the_pipe_thread_handles_what_it_read():
-    """streams._reading, on a real thread shaped as ipykernel's pipe watcher: waiting in
-    os.read, it has handled everything; inside the write of the bytes it read (its frame
-    below the top, as with ``self.write``), it has not. CI once lost a rank's os.write
-    line when the end of the cell took the second state for the first."""
-    import os
-    import sys
-    import threading
-
-    from notebook_dist.runtime.streams import _reading
-
-    read_fd, write_fd = os.pipe()
-    writing, release = threading.Event(), threading.Event()
-
-    def handle(data):  # the stream's write, with the watcher's frame under it
-        writing.set()
-        release.wait(10)
-
-    def _watch_pipe_fd():
-        data = os.read(read_fd, 100)
-        while data:
-            handle(data)
-            data = os.read(read_fd, 100)
-
-    thread = threading.Thread(target=_watch_pipe_fd, daemon=True)
-    thread.start()
-    try:
-        assert wait_reading(thread, _reading)
-        os.write(write_fd, b"line\n")
-        assert writing.wait(10)
-        assert not _reading(sys._current_frames()[thread.ident])
-        release.set()
-        assert wait_reading(thread, _reading)
-        assert _reading(None)  # no such thread: nothing to wait for
-    finally:
-        release.set()
-        os.close(write_fd)
-        thread.join(10)
-        os.close(read_fd)
-
-
-def wait_reading(thread, reading, timeout: float = 10.0) -> bool:
-    import sys
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if reading(sys._current_frames().get(thread.ident)):
-            return True
-        time.sleep(0.005)
-    return False
-
-
 RANK_STREAM = r"""
 import json, os, sys, time
 import zmq

@@ -128,6 +128,7 @@ def _join_group(
 
     launch.install()
     debugger.install()
+    streams.adopt_streams()
     streams.keep_in_order()
     streams.logging_follows_streams()
     streams.forward_display_updates()

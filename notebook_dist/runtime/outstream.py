@@ -12,6 +12,10 @@ and the pipe empty, everything written before is in the stream.
 
 The thread also decodes UTF-8 across reads: a character split between two reads is shown
 whole, not as two replacement characters.
+
+A rank's engine makes its streams of this class (:data:`FLAG`); an engine the user started
+(an attached cluster) made ipykernel's, which :func:`adopt` turns into this one as the
+engine becomes a rank.
 """
 
 from __future__ import annotations
@@ -86,3 +90,43 @@ class RankOutStream(OutStream):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.001)
+
+
+#: what a stream must have for its pipe thread to be replaced (ipykernel 6.29 to 7)
+_PIPE_PARTS = ("_fid", "_original_stdstream_fd", "_original_stdstream_copy", "_should_watch")
+
+
+def adopt(stream) -> None:
+    """ipykernel's own ``OutStream`` (an engine the user started) as a
+    :class:`RankOutStream`: its pipe thread is ended and this class's started in its place,
+    so a cell's end can wait for it exactly. Bytes another thread writes to the file
+    descriptor in the moment of the swap could be lost: it is done as the engine becomes a
+    rank, before any cell."""
+    import fcntl
+    import termios
+
+    if type(stream) is not OutStream:
+        return  # already ours, or not ipykernel's: nothing to wait for
+    thread = getattr(stream, "watch_fd_thread", None)
+    if thread is None or not all(hasattr(stream, a) for a in _PIPE_PARTS):
+        stream.__class__ = RankOutStream  # no pipe watched (its settle has nothing to do)
+        return
+    count = bytearray(4)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:  # what is in the pipe, read by the old thread first
+        fcntl.ioctl(stream._fid, termios.FIONREAD, count)
+        if int.from_bytes(count, sys.byteorder) == 0:
+            break
+        time.sleep(0.001)
+    stream._should_watch = False
+    os.write(stream._original_stdstream_fd, b"\0")  # wakes it; it ends without passing it on
+    thread.join(5.0)
+    if thread.is_alive():  # (not the thread we know): left as it was
+        stream._should_watch = True
+        return
+    stream.__class__ = RankOutStream
+    stream.handling = threading.Lock()
+    stream._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stream._should_watch = True
+    stream.watch_fd_thread = threading.Thread(target=stream._watch_pipe_fd, daemon=True)
+    stream.watch_fd_thread.start()

@@ -13,7 +13,6 @@ Trainer's HTML progress bar) reach the notebook.
 
 from __future__ import annotations
 
-import linecache
 import sys
 import threading
 
@@ -117,62 +116,24 @@ def forward_display_updates() -> None:
 
 
 def drain(timeout: float = 5.0) -> None:
-    """What the cell wrote to its file descriptors, read and sent, then both streams
-    flushed."""
+    """What the cell wrote to its file descriptors (os.write, C libraries, subprocesses)
+    in the streams, so it is this cell's output and not the next one's (a rank's streams,
+    :class:`~notebook_dist.runtime.outstream.RankOutStream`, know when it is), then both
+    streams flushed."""
     for stream in (sys.stdout, sys.stderr):
-        _drain_fd(stream, timeout)
+        settle = getattr(stream, "settle", None)
+        if settle is not None:
+            settle(timeout)
         if holds(stream):
             stream.flush()
 
 
-def _drain_fd(stream, timeout: float) -> None:
-    """Wait until what the cell wrote to the stream's file descriptor (os.write, C
-    libraries, subprocesses) has been read by ipykernel's pipe thread, so it is part of
-    this cell's output and not the next one's. A rank's own stream
-    (:class:`~notebook_dist.runtime.outstream.RankOutStream`) knows; ipykernel's, in an
-    engine the user started, is watched from outside, which can miss bytes read and not
-    yet written."""
-    settle = getattr(stream, "settle", None)
-    if settle is not None:
-        settle(timeout)
+def adopt_streams() -> None:
+    """stdout and stderr as a rank's streams, also in an engine the user started
+    (:func:`~notebook_dist.runtime.outstream.adopt`). Idempotent."""
+    try:
+        from .outstream import adopt
+    except ImportError:  # no ipykernel: a plain process, whose writes are in order
         return
-    import fcntl
-    import termios
-    import time
-
-    fid, thread = getattr(stream, "_fid", None), getattr(stream, "watch_fd_thread", None)
-    if fid is None or thread is None or not thread.is_alive():
-        return
-    deadline = time.monotonic() + timeout
-    buf = bytearray(4)
-    while time.monotonic() < deadline:
-        try:
-            fcntl.ioctl(fid, termios.FIONREAD, buf)
-        except OSError:
-            return
-        frame = sys._current_frames().get(thread.ident)
-        # empty pipe, and the thread back in os.read: everything read has been written
-        if int.from_bytes(buf, sys.byteorder) == 0 and _reading(frame):
-            return
-        time.sleep(0.001)
-
-
-def _reading(frame) -> bool:
-    """True when the pipe thread waits in ``os.read``; False while it handles what it
-    read (its own frame is then below the top: ``self.write`` of the bytes)."""
-    top = frame
-    while frame is not None and frame.f_code.co_name != "_watch_pipe_fd":
-        frame = frame.f_back
-    if frame is None:
-        return True  # not the thread we know: nothing to wait for
-    if frame is not top:
-        return False  # writing what it read: the bytes are not in the stream yet
-    where = (frame.f_code.co_filename, frame.f_lineno)
-    reading = _READ_AT.get(where)
-    if reading is None:  # (the same line on every cell: read once)
-        reading = _READ_AT[where] = "os.read(" in linecache.getline(*where)
-    return reading
-
-
-#: whether the pipe thread's line at (file, line) is its ``os.read``
-_READ_AT: dict[tuple[str, int], bool] = {}
+    for stream in (sys.stdout, sys.stderr):
+        adopt(stream)

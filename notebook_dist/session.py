@@ -48,7 +48,7 @@ class Session:
         request.check()
         live = self.current()
         if live is not None and getattr(live, "asked", None) == request:
-            said = _again(self, live)
+            said = _again(self, live, request)
             request.settings(self.live())
             return said
         wanted = request.cluster()  # checked and planned before anything is stopped
@@ -267,17 +267,23 @@ class Session:
         return write_script(path, cells, raw_history, self.records, world_size)
 
 
-def _again(session: Session, live: DistCluster) -> list[str]:
-    """The running cluster asked for again: reused, or its ranks restarted when one of
-    them (or the controller) has ended, as when the %dist_init cell runs again after a
-    crash. What to say."""
+def _again(session: Session, live: DistCluster, request: ClusterRequest) -> list[str]:
+    """The running cluster asked for again: reused, or, when one of its ranks (or the
+    controller) has ended, as when the %dist_init cell runs again after a crash: its ranks
+    restarted, or attached to the cluster's engines afresh (engines the user started, and
+    restarts). What to say."""
     ended = _ended(live)
     if not ended:
         return [
             f"notebook_dist: reusing the running cluster ({live.world_size} ranks, {live.backend})."
         ]
-    said = f"notebook_dist: {ended}; restarting the cluster's ranks (their variables are lost)."
-    return [said, *session.restart(replay=False)]
+    if getattr(live, "attached_to", None) is None:
+        said = f"notebook_dist: {ended}; restarting the cluster's ranks (their variables are lost)."
+        return [said, *session.restart(replay=False)]
+    wanted = request.cluster()  # the engines there now
+    session.shutdown()
+    said = f"notebook_dist: {ended}; attaching to the cluster's engines again (the ranks' variables are lost)."
+    return [said, *session._start(wanted)]
 
 
 def _ended(cluster: DistCluster) -> str:

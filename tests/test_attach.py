@@ -182,3 +182,49 @@ def test_after_every_attached_rank_died_nothing_is_signalled(
     assert run("%dist_shutdown").error is None
     assert [c for c in signal_spy.calls if c[2] != 0] == [], "attach signals nothing"
     assert [p.poll() for p in bystanders] == [None, None]
+
+
+def test_dist_init_again_after_an_attached_rank_ended_attaches_to_the_engines_there(
+    ipcluster, no_current, run
+):
+    """After the test above ended the ipcluster's engines: the user's own engines (started
+    here, ended by pid), one of which ends in a cell; the user starts another, and the same
+    %dist_init attaches to the engines there now (it cannot restart engines it did not
+    start, and once said to run it again after restarting them)."""
+    import ipyparallel as ipp
+
+    cluster_id, _ = ipcluster
+    client = ipp.Client(profile=PROFILE, cluster_id=cluster_id, timeout=30)
+    engine = [sys.executable, "-m", "ipyparallel.engine", "--profile", PROFILE]
+    started = []
+
+    def start_engine():
+        before = len(client.ids)
+        started.append(subprocess.Popen(engine + [f"--cluster-id={cluster_id}"]))
+        wait_until(lambda: len(client.ids) > before, 60)
+
+    try:
+        wait_until(lambda: not client.ids, 60)  # the ipcluster's, ended above
+        start_engine()
+        start_engine()
+        init = f"%dist_init --profile {PROFILE} --cluster-id {cluster_id}"
+        assert run(init).error is None
+        out = run("%%distributed\nimport os\nif nd.rank == 1:\n    os._exit(3)")
+        assert type(out.error).__name__ == "ClusterError", out.output
+        start_engine()
+        wait_until(lambda: len(client.ids) == 2, 60)  # the ended one gone from the controller
+        out = run(init)
+        assert out.error is None, out.output
+        assert out.stdout.startswith(
+            "notebook_dist: rank 1 ended (its engine process is gone); attaching to the "
+            "cluster's engines again (the ranks' variables are lost).\n"
+        ), out.stdout
+        pids = [int(ln.split()[2]) for ln in rank_table(out.stdout)[1:]]
+        assert pids == [started[0].pid, started[2].pid]
+        assert dict(run("%%distributed\nnd.rank").result.result) == {0: 0, 1: 1}
+        assert run("%dist_shutdown").error is None
+    finally:
+        client.close()
+        for p in started:
+            p.terminate()
+            p.wait(30)

@@ -38,9 +38,12 @@ class RankOutStream(OutStream):
     :attr:`handling` from each read to the end of its write."""
 
     def _setup_stream_redirects(self, name):
+        self._prepare_watch()
+        super()._setup_stream_redirects(name)
+
+    def _prepare_watch(self) -> None:
         self.handling = threading.Lock()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        super()._setup_stream_redirects(name)
 
     def _watch_pipe_fd(self):
         fid = self._fid
@@ -70,21 +73,17 @@ class RankOutStream(OutStream):
         """Wait until what was written to the file descriptor before this call is in the
         stream (a character left incomplete is written as a replacement); False when the
         pipe was still not empty after ``timeout`` seconds."""
-        import fcntl
-        import termios
-
         thread = getattr(self, "watch_fd_thread", None)
         if thread is None or not thread.is_alive():
             return True
-        count = bytearray(4)
         deadline = time.monotonic() + timeout
         while True:
             with self.handling:
                 try:
-                    fcntl.ioctl(self._fid, termios.FIONREAD, count)
+                    empty = _unread(self._fid) == 0
                 except OSError:  # closed meanwhile
                     return True
-                if int.from_bytes(count, sys.byteorder) == 0:
+                if empty:
                     self._pass_on(b"", final=True)
                     return True
             if time.monotonic() >= deadline:
@@ -102,22 +101,15 @@ def adopt(stream) -> None:
     so a cell's end can wait for it exactly. Bytes another thread writes to the file
     descriptor in the moment of the swap could be lost: it is done as the engine becomes a
     rank, before any cell."""
-    import fcntl
-    import termios
-
     if type(stream) is not OutStream:
         return  # already ours, or not ipykernel's: nothing to wait for
     thread = getattr(stream, "watch_fd_thread", None)
     if thread is None or not all(hasattr(stream, a) for a in _PIPE_PARTS):
         stream.__class__ = RankOutStream  # no pipe watched (its settle has nothing to do)
         return
-    count = bytearray(4)
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:  # what is in the pipe, read by the old thread first
-        fcntl.ioctl(stream._fid, termios.FIONREAD, count)
-        if int.from_bytes(count, sys.byteorder) == 0:
-            break
-        time.sleep(0.001)
+    while _unread(stream._fid) and time.monotonic() < deadline:
+        time.sleep(0.001)  # what is in the pipe, read by the old thread first
     stream._should_watch = False
     os.write(stream._original_stdstream_fd, b"\0")  # wakes it; it ends without passing it on
     thread.join(5.0)
@@ -125,8 +117,17 @@ def adopt(stream) -> None:
         stream._should_watch = True
         return
     stream.__class__ = RankOutStream
-    stream.handling = threading.Lock()
-    stream._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stream._prepare_watch()
     stream._should_watch = True
     stream.watch_fd_thread = threading.Thread(target=stream._watch_pipe_fd, daemon=True)
     stream.watch_fd_thread.start()
+
+
+def _unread(fid: int) -> int:
+    """How many bytes wait in the pipe ``fid`` (raises OSError once it is closed)."""
+    import fcntl
+    import termios
+
+    count = bytearray(4)
+    fcntl.ioctl(fid, termios.FIONREAD, count)
+    return int.from_bytes(count, sys.byteorder)

@@ -135,7 +135,9 @@ def test_a_rank_ending_itself_is_reported_at_its_line_and_restart_recovers(
             live.run(cell, filename="Cell In[77]", header="%%distributed")
         rank = int(report.split()[1])
         fault = live.processes.control_file(rank, "fault")  # what the report read
-        assert str(info.value).startswith(report), (str(info.value), open(fault).read())
+        if not str(info.value).startswith(report):  # seen twice in CI: shown whole, not cut
+            print(f"the report: {info.value}\nits fault file:\n{open(fault).read()}")
+        assert str(info.value).startswith(report), str(info.value)
     finally:  # the ranks the later tests share come back, whatever the report said
         out = run("%dist_restart")
     assert out.error is None, out.output

@@ -350,7 +350,8 @@ def test_11_performance(run_notebook):
     assert "Verdict:" not in first and "holds the others back." in first
     slow = _texts(_cell(nb, "%%distributed --profile\ntrain(ddp, slow_rank=1)"))
     assert "Verdict: rank 1 arrived last at" in slow and "rank 0 waited" in slow
-    assert "it slept, read data or waited on a lock" in slow  # its thread was off the CPU
+    # its thread was off the CPU (the whole output on failure: CI once missed this)
+    assert "it slept, read data or waited on a lock" in slow, slow
     assert "class='nd-timeline'" in slow and "Trace (Perfetto, chrome://tracing):" in slow
     small = _texts(_cell(nb, "%%distributed --profile\ntrain(small_buckets)"))
     assert "all_reduce  160" in small  # 8 buckets a step instead of 2

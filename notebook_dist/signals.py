@@ -65,6 +65,24 @@ def start_time(pid: int) -> str:
     return fields[19] if fields else ""
 
 
+def foreign_proc() -> str | None:
+    """Why processes cannot be told apart here, or None: ``/proc`` must be this process's
+    own PID namespace's, or every pid read in it names another process (a namespace made
+    with ``unshare --pid --fork`` and no ``--mount-proc``)."""
+    try:
+        seen = int(os.readlink("/proc/self"))
+    except (OSError, ValueError):
+        return None  # no /proc at all: start times are never read, so nothing is signalled
+    if seen == os.getpid():
+        return None
+    return (
+        f"/proc here belongs to another PID namespace (it calls this process {seen}, which "
+        f"is {os.getpid()} in its own), so notebook_dist cannot tell the processes it starts "
+        "from others and will not start any. Mount a /proc for this namespace (unshare "
+        "--pid --fork --mount-proc; container runtimes do it), then start again."
+    )
+
+
 def _is_pid(pid) -> bool:
     return isinstance(pid, int) and not isinstance(pid, bool) and pid > 1
 

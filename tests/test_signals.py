@@ -662,3 +662,33 @@ def test_exit_in_a_cell_ends_the_cell_on_each_rank_and_the_ranks_stay(how, calle
     ) in said["end ranks"], said["end ranks"]
     assert "[rank 0] 10\n[rank 1] 11" in said["next cell"]  # alive, variables kept
     assert said["shutdown"] == "notebook_dist: cluster stopped: the controller and 2 ranks.\n"
+
+
+def test_a_proc_of_another_pid_namespace_is_refused_with_a_sentence_before_any_start(tmp_path):
+    """In a PID namespace whose /proc is the parent's, every pid read there names another
+    process: %dist_init says so and how to mend it, and starts nothing."""
+    cmd = ["unshare", "--pid", "--fork"]  # no --mount-proc: /proc stays the parent's
+    if os.geteuid() != 0:
+        cmd[1:1] = ["--user", "--map-root-user"]
+    code = (
+        "from IPython.testing.globalipapp import start_ipython\n"
+        "ip = start_ipython()\n"
+        "ip.run_line_magic('load_ext', 'notebook_dist')\n"
+        "r = ip.run_cell('%dist_init -n 2 --backend gloo')\n"
+        "import os\n"
+        "try:\n    os.waitpid(-1, os.WNOHANG)\n    print('A CHILD WAS STARTED')\n"
+        "except ChildProcessError:\n    print('NO CHILD')\n"
+    )
+    done = subprocess.run(
+        [*cmd, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, IPYTHONDIR=str(tmp_path)),
+        cwd=tmp_path,
+    )
+    said = done.stdout + done.stderr
+    assert "/proc here belongs to another PID namespace" in said, said
+    assert "Mount a /proc for this namespace (unshare --pid --fork --mount-proc" in said
+    assert "Traceback" not in said, said
+    assert "NO CHILD" in done.stdout, said  # nothing was started

@@ -27,6 +27,7 @@ import math
 import time
 from typing import Any
 
+from .. import signals
 from ..config import DistConfig
 from ..errors import ClusterError, PreflightError
 from ..execute import PreparedCell
@@ -165,6 +166,8 @@ class DistCluster:
             raise ClusterError(
                 f"this cluster is {self.state}; make a new DistCluster to start again"
             )
+        if foreign := signals.foreign_proc():
+            raise PreflightError(foreign)
         self.state = "starting"
         t0 = time.perf_counter()
         asked: list[tuple] = []  # rank 0's port, asked for as soon as its engine registers

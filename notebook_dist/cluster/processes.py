@@ -479,8 +479,13 @@ def start_fork_server(processes: Processes) -> None:
 
 def fork_ahead(config: DistConfig):
     """Start the fork server of local engines now, before any cluster (``forks.py``): the
-    first cluster of the same environment then does not wait for torch's import."""
+    first cluster of the same environment then does not wait for torch's import. Nothing
+    where this process's /proc is another PID namespace's: the start says why it refuses."""
+    from ..signals import foreign_proc
     from .forks import start_ahead
+
+    if foreign_proc():
+        return None
 
     return start_ahead(config, fork_environment(config, Launcher(config)))
 

@@ -134,7 +134,8 @@ def test_a_rank_ending_itself_is_reported_at_its_line_and_restart_recovers(
         with pytest.raises(ClusterError) as info:
             live.run(cell, filename="Cell In[77]", header="%%distributed")
         rank = int(report.split()[1])
-        fault = live.processes.control_file(rank, "fault")  # what the report read
+        pid = next(r.pid for r in live.ranks if r.rank == rank)
+        fault = live.processes.control_file(rank, "fault", pid)  # what the report read
         if not str(info.value).startswith(report):  # seen twice in CI: shown whole, not cut
             print(f"the report: {info.value}\nits fault file:\n{open(fault).read()}")
         assert str(info.value).startswith(report), str(info.value)

@@ -195,14 +195,18 @@ class Processes:
         remote = [el for el in self.all_launchers() if not engines.is_local(el)]
         return remote[rank] if rank < len(remote) else None
 
-    def control_file(self, rank: int, kind: str = "release") -> str:
+    def control_file(self, rank: int, kind: str = "release", pid: int | None = None) -> str:
         """The file through which the notebook asks a rank's agent to release it
-        (``release``), or where the rank writes its stack on a fatal signal (``fault``)."""
+        (``release``), or, with the rank's ``pid``, one that rank's process alone writes:
+        its stack on a fatal signal (``fault``), the collective it is in (``record``).
+        Each process has its own (``runtime.bootstrap.own_file`` names them there): a
+        rank's earlier process, ending late, never writes over what its successor left."""
         folder = os.path.join(self.profile_dir, "control")
         if folder not in _MADE:  # (asked for every rank before each cell)
             os.makedirs(folder, exist_ok=True)
             _MADE.add(folder)
-        return os.path.join(folder, f"{kind}-rank-{rank}")
+        name = f"{kind}-rank-{rank}" + ("" if pid is None else f"-{pid}")
+        return os.path.join(folder, name)
 
     # ---- watching ---------------------------------------------------------------------
 

@@ -175,13 +175,16 @@ def fault_report(cluster, rank: int) -> dict[str, Any]:
     processes = cluster.processes
     host = processes.host_launcher(rank)
     out: dict[str, Any] = {}
+    pid = next((r.pid for r in cluster.ranks if r.rank == rank), None)
+    if pid is None:
+        return out
     with contextlib.suppress(Exception):
-        path = processes.control_file(rank, "record")
+        path = processes.control_file(rank, "record", pid)
         rec = read_blackbox(engines.read_on_host(host, path))
         if rec is not None:
             out["record"] = rec
-    try:
-        text = engines.read_on_host(host, processes.control_file(rank, "fault"))  # on its host
+    try:  # on its host
+        text = engines.read_on_host(host, processes.control_file(rank, "fault", pid))
     except Exception:
         text = ""
     _from_stacks(text, out)

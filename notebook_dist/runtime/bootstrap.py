@@ -72,10 +72,10 @@ def bootstrap(
     STATE.bootstrapped = True
     _start_agent(control_file, publish_interval)
     if control_file:
-        _enable_fault_report(control_file.replace("release-rank-", "fault-rank-"))
+        _enable_fault_report(own_file(control_file, "fault"))
         from .tracker import TRACKER, open_blackbox
 
-        TRACKER.blackbox = open_blackbox(control_file.replace("release-rank-", "record-rank-"))
+        TRACKER.blackbox = open_blackbox(own_file(control_file, "record"))
     _prepare_namespace(torch, dist)
     from ..signals import start_time
     from .host import machine_id
@@ -169,6 +169,12 @@ def flight_recorder_env(entries: int, torch_version, environ=None) -> None:
     environ[names[0]] = str(entries)
     if torch_version < "2.8":  # torch's TorchVersion compares with a version string
         environ[names[1]] = str(entries)
+
+
+def own_file(control_file: str, kind: str) -> str:
+    """This process's own ``kind`` file beside the rank's release file, as the notebook
+    names it (``cluster.processes.Processes.control_file`` with this pid)."""
+    return f"{control_file.replace('release-rank-', f'{kind}-rank-')}-{os.getpid()}"
 
 
 def _enable_fault_report(path: str) -> None:

@@ -333,6 +333,48 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
     return out
 
 
+def relay(reps: int, cells: int, n: int = 16) -> dict:
+    """An empty cell's wall time and kernel CPU at ``n`` ranks through the relay
+    (``DistConfig.relay_from``) and directly, and at 2 ranks directly (the issue's base);
+    the three alternate in each round, each round in another order."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    def measure(size: int, relayed: bool) -> dict:
+        config = DistConfig(spare_engines=0, relay_from=2 if relayed else None)
+        c = DistCluster(n=size, config=config).start()
+        try:
+            assert (c.processes.lane.relay is not None) == relayed
+            for _ in range(3):
+                c.run("pass").raise_for_errors()
+            wall, cpu = [], []
+            for _ in range(cells):
+                w0, c0 = time.perf_counter(), time.process_time()
+                c.run("pass").raise_for_errors()
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - w0)
+            assert len(c.processes.lane.via_relay) == (size if relayed else 0)
+        finally:
+            c.shutdown()
+        return {"cell_s": statistics.median(wall), "cell_cpu_s": statistics.median(cpu)}
+
+    kinds = {"2_direct": (2, False), f"{n}_direct": (n, False), f"{n}_relay": (n, True)}
+    got: dict[str, dict[str, list[float]]] = {k: {"cell_s": [], "cell_cpu_s": []} for k in kinds}
+    order = list(kinds)
+    for i in range(reps):
+        for kind in order[i % 3 :] + order[: i % 3]:
+            m = measure(*kinds[kind])
+            for key, value in m.items():
+                got[kind][key].append(value)
+    out: dict = {k: {key: summarize(v) for key, v in got[k].items()} for k in kinds}
+    for key in ("cell_s", "cell_cpu_s"):
+        base = got["2_direct"][key]
+        out[f"{key}_{n}_relay_vs_2"] = ratio(got[f"{n}_relay"][key], base)
+        out[f"{key}_{n}_direct_vs_2"] = ratio(got[f"{n}_direct"][key], base)
+        out[f"{key}_{n}_relay_vs_direct"] = ratio(got[f"{n}_relay"][key], got[f"{n}_direct"][key])
+    return out
+
+
 PRINTING = (
     "import time\n_t0 = time.perf_counter()\n"
     "for i in range(1000):\n    print(f'r{nd.rank} line {i}')\n"

@@ -185,6 +185,7 @@ CASE_NAMES = (
     "checks",
     "heal",
     "scale",
+    "relay",
     "monarch",
 )
 
@@ -264,6 +265,9 @@ def main(argv=None) -> int:
         print("scale ...", flush=True)
         sizes = (2, 4, 16) if quick else cases.SCALE_SIZES
         results["scale"] = cases.scale(2 if quick else 9, 10 if quick else 30, sizes)
+    if "relay" in only:
+        print("relay ...", flush=True)
+        results["relay"] = cases.relay(2 if quick else 9, 30 if quick else 100)
     if "monarch" in only:
         print("monarch ...", flush=True)
         results["monarch"] = cases.monarch(3 if quick else 9)

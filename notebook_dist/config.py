@@ -54,6 +54,13 @@ class DistConfig:
     (``cluster/lane.py``), not through the controller's queue: one process hop fewer each
     way, the same ipyparallel messages. False: every request goes through the queue."""
 
+    relay_from: int | None = None
+    """From this many ranks on, a local cluster's cells pass through a relay process
+    (``runtime/relay.py``): the notebook sends a cell once and reads the ranks' replies as
+    one message, so its CPU per cell grows far less with the ranks, and the relay's own
+    CPU is added beside it. None: never. If the relay ends, the cell waiting on it fails
+    with a sentence and the next cell reaches the ranks directly."""
+
     fork_engines: bool = True
     """A local cluster's engines are forked from one process that imported torch once
     (``runtime/forkserver.py``), not started as a Python each that imports torch: a

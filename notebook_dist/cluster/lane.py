@@ -35,6 +35,7 @@ import uuid
 
 from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, REQUEST, SNDMORE, Seal, received
 from .express import ExpressError, ExpressResult, Records
+from .relay import entries as relay_entries
 
 log = logging.getLogger("notebook_dist")
 
@@ -55,7 +56,7 @@ class Lane:
         self._said = threading.Condition()
         self.ready: set[str] = set()  # engine uuids that said hello
         self.refused: set[int] = set()  # engine ids served through the queue
-        self.stream = self._on_io_loop(lambda: self._stream(socket))
+        self.stream = on_io_loop(client, lambda: self._stream(socket))
         # the express route: used only under its lock, by the thread that sends or waits
         self._xlock = threading.RLock()
         xs = client._context.socket(zmq.ROUTER)
@@ -65,24 +66,10 @@ class Lane:
         self._express = xs
         self.express_ready: set[str] = set()  # engine uuids that said hello on it
         self.pending: dict[str, object] = {}  # msg_id -> its express Reply
+        self.relay = None  # a RelayLink (cluster/relay.py) the engines join through, if any
+        self.via_relay: set[str] = set()  # engine uuids joined through it
         self.records = Records.install(client)
         self._seal = Seal(client.session)
-
-    def _on_io_loop(self, call, timeout: float = 10.0):
-        """``call()`` run on the client's IO thread (the lane's socket lives there)."""
-        done = threading.Event()
-        out = []
-
-        def run():
-            try:
-                out.append(call())
-            finally:
-                done.set()
-
-        self.client._io_loop.add_callback(run)
-        if not done.wait(timeout):
-            raise TimeoutError("the ipyparallel client's IO loop did not answer")
-        return out[0] if out else None
 
     def _stream(self, socket):
         from zmq.eventloop.zmqstream import ZMQStream
@@ -117,6 +104,8 @@ class Lane:
         ``args`` plain data. Returns an :class:`~.express.ExpressResult`."""
         if any(e in self.refused for e in engine_ids):
             return None
+        with self._xlock:
+            self._relay_check()
         known = self.client._engines  # (a trait: read once)
         engines = [known.get(e) for e in engine_ids]
         missing = [e for e, u in zip(engine_ids, engines) if u not in self.express_ready]
@@ -131,17 +120,52 @@ class Lane:
         request = self._seal.sealed(REQUEST, base.encode() + call)
         result = ExpressResult(self, msg_ids, engines)
         with self._xlock:
-            send = self._express.send
+            send, relayed = self._express.send, []
             for engine, msg_id, reply in zip(engines, msg_ids, result._children):
                 self.pending[msg_id] = reply
+                if engine in self.via_relay:
+                    relayed.append(engine)
+                    continue
                 try:
                     send(engine.encode(), SNDMORE)
                     send(request)
                 except Exception as exc:  # zmq: the engine is not connected (it died)
-                    self.pending.pop(msg_id, None)
-                    self.express_ready.discard(engine)
-                    reply.finish(error=ExpressError("EngineError", f"not reachable: {exc}"))
+                    self._unreached(msg_id, engine, f"not reachable: {exc}")
+            if relayed:  # one message for all of them
+                try:
+                    self._express.send_multipart(self.relay.request(base, relayed, request))
+                except Exception as exc:  # the relay ended: its ranks rejoin directly
+                    for engine in relayed:
+                        self._unreached(f"{base}-{engine}", engine, f"relay gone: {exc}")
         return result
+
+    def _unreached(self, msg_id: str, engine: str, why: str, wrote: bool = True) -> None:
+        """A call that cannot reach ``engine``, failed; ``wrote``: its output may still come
+        (False: the rank runs on, and its 'idle' is not waited for)."""
+        reply = self.pending.pop(msg_id, None)
+        self.express_ready.discard(engine)
+        self.via_relay.discard(engine)
+        if reply is not None:
+            reply.finish(error=ExpressError("EngineError", why), wrote=wrote)
+
+    def _relay_check(self) -> None:
+        """A relay that ended: the calls waiting on it fail with a sentence, and its ranks
+        join this socket again at their next call."""
+        relay = self.relay
+        how = relay.gone() if relay is not None else None
+        if how is None:
+            return
+        self.relay = None
+        why = (
+            f"the relay between the notebook and the ranks {how} before this rank's reply "
+            "came; the rank carries on with its variables, but what this call returns is "
+            "lost. The next call reaches the ranks directly."
+        )
+        relayed, self.via_relay = self.via_relay, set()
+        self.express_ready -= relayed
+        for msg_id, reply in list(self.pending.items()):
+            if reply.engine in relayed:
+                self._unreached(msg_id, reply.engine, why, wrote=False)
 
     def pump(self, timeout: float) -> None:
         """Read the express route: wait up to ``timeout`` seconds for something, then take
@@ -155,6 +179,7 @@ class Lane:
         try:
             sock = self._express
             if sock is None or not sock.poll(int(timeout * 1000)):
+                self._relay_check()  # (a relay's end is looked for while nothing comes)
                 return
             while True:
                 try:
@@ -170,17 +195,32 @@ class Lane:
         the cluster's key (anything else is dropped)."""
         if len(frames) < 2:
             return
+        sender = frames[0].bytes
+        if self.relay is not None and sender == self.relay.ident:
+            for engine, kind, body, extra in relay_entries(self._seal, frames[1:]):
+                if kind is None:  # not reachable from the relay for request ``body``
+                    self._unreached(f"{body}-{engine}", engine, "not reachable (relay)")
+                else:
+                    self._one(engine, kind, body, extra, True)
+            return
         extra = [f.buffer for f in frames[2:]]
         opened = self._seal.opened(frames[1].buffer, extra)
         if opened is None or opened[0] not in (REPLY, HELLO):
             log.debug("an invalid message on the express route")
             return
-        kind, body = opened
+        self._one(sender.decode(), *opened, extra, False)
+
+    def _one(self, engine: str, kind: bytes, body, extra: list, relayed: bool) -> None:
+        """One rank's hello or reply, its seal checked (here, or by the relay)."""
         if kind == HELLO:
-            self.express_ready.add(bytes(body).decode())
+            said = bytes(body).decode()
+            self.express_ready.add(said)
+            (self.via_relay.add if relayed else self.via_relay.discard)(said)
+            return
+        if kind != REPLY:
             return
         head = bytes(body[:REPLY_HEAD])
-        reply = self.pending.pop(f"{head[:32].decode()}-{frames[0].bytes.decode()}", None)
+        reply = self.pending.pop(f"{head[:32].decode()}-{engine}", None)
         if reply is None:  # a call already given up on
             return
         ok, wrote, how = head[32:33] == b"o", head[33:34] == b"1", head[34:35]
@@ -217,7 +257,8 @@ class Lane:
         from ..runtime import lane as rt_lane
 
         try:
-            queue_view(engine_ids).apply_sync(rt_lane.connect, self.url, self.express_url)
+            express_url = self.relay.back_url if self.relay is not None else self.express_url
+            queue_view(engine_ids).apply_sync(rt_lane.connect, self.url, express_url)
         except Exception as exc:
             log.debug("engines %s could not join the lane: %s", engine_ids, exc)
             self.refused.update(engine_ids)
@@ -238,9 +279,29 @@ class Lane:
             express, self._express = self._express, None
             if express is not None:
                 express.close(linger=0)
+            relay, self.relay = self.relay, None
+            if relay is not None:
+                relay.close()
         stream, self.stream = self.stream, None
         if stream is not None:
             try:
-                self._on_io_loop(lambda: stream.close(linger=0), timeout=2.0)
+                on_io_loop(self.client, lambda: stream.close(linger=0), timeout=2.0)
             except Exception:  # its loop is gone: closed from here
                 stream.socket.close(linger=0)
+
+
+def on_io_loop(client, call, timeout: float = 10.0):
+    """``call()`` run on the ipyparallel client's IO thread (the lane's socket lives there)."""
+    done = threading.Event()
+    out = []
+
+    def run():
+        try:
+            out.append(call())
+        finally:
+            done.set()
+
+    client._io_loop.add_callback(run)
+    if not done.wait(timeout):
+        raise TimeoutError("the ipyparallel client's IO loop did not answer")
+    return out[0] if out else None

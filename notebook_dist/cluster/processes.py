@@ -96,6 +96,7 @@ class Processes:
             from .lane import Lane
 
             self.lane = Lane(client, "127.0.0.1")
+            start_relay(self, n)
         prepare_first_call()
         try:
             engine_set_id = cluster.start_engines_sync(n)
@@ -196,17 +197,13 @@ class Processes:
         return remote[rank] if rank < len(remote) else None
 
     def control_file(self, rank: int, kind: str = "release", pid: int | None = None) -> str:
-        """The file through which the notebook asks a rank's agent to release it
-        (``release``), or, with the rank's ``pid``, one that rank's process alone writes:
-        its stack on a fatal signal (``fault``), the collective it is in (``record``).
-        Each process has its own (``runtime.bootstrap.own_file`` names them there): a
-        rank's earlier process, ending late, never writes over what its successor left."""
+        """A rank's control file (``release``); with ``pid``, one only that process of the
+        rank writes (``fault``, ``record``: ``runtime.bootstrap.own_file``)."""
         folder = os.path.join(self.profile_dir, "control")
         if folder not in _MADE:  # (asked for every rank before each cell)
             os.makedirs(folder, exist_ok=True)
             _MADE.add(folder)
-        name = f"{kind}-rank-{rank}" + ("" if pid is None else f"-{pid}")
-        return os.path.join(folder, name)
+        return os.path.join(folder, f"{kind}-rank-{rank}" + (f"-{pid}" if pid else ""))
 
     # ---- watching ---------------------------------------------------------------------
 
@@ -479,6 +476,30 @@ def start_fork_server(processes: Processes) -> None:
     if proc is not None:
         processes.started.append(proc)
         processes.reaper.watch(proc)
+
+
+def start_relay(processes: Processes, n: int) -> None:
+    """The lane's relay (``cluster/relay.py``) for ``n`` ranks, if ``relay_from`` asks for
+    one, recorded and watched as the controller is; without it (it did not start) the ranks
+    are reached directly."""
+    from .relay import RelayLink
+
+    if processes.config.relay_from is None or n < processes.config.relay_from:
+        return
+    try:
+        link = RelayLink.start(
+            processes.config.python,
+            processes.client.session,
+            processes.lane.express_url,
+            "127.0.0.1",
+        )
+    except RuntimeError as exc:
+        log.warning("notebook_dist: %s; the ranks are reached directly", exc)
+        return
+    if link.record is not None:
+        processes.started.append(link.record)
+        processes.reaper.watch(link.record)
+    processes.lane.relay = link
 
 
 def fork_ahead(config: DistConfig):

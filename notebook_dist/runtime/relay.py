@@ -1,0 +1,141 @@
+"""The relay: one process between the notebook and many local ranks on the express route
+(``cluster/lane.py``), so that a cell costs the notebook one message each way, whatever
+the number of ranks.
+
+Without it the notebook sends a cell's request to each rank and reads each rank's reply,
+and checks each reply's seal: its CPU per cell grows with the ranks (zmq's IO thread a
+frame each way per rank, the main thread a read and a check per rank). Through the relay
+the notebook sends the request once with the list of ranks, and reads the replies that
+came in one wake-up as one message, sealed once by the relay, which has checked each
+rank's own seal. The replies themselves are as the ranks sent them.
+
+It is started by the notebook (``python -m notebook_dist.runtime.relay``), reads what it
+needs from its standard input as one JSON line (the cluster's key, the notebook's express
+address, its own identity there), says its own address on its standard output, and ends
+when its standard input closes (the notebook ended) or on SIGTERM. It imports zmq and
+nothing of torch: it starts in about 0.1 s.
+
+The messages:
+
+- notebook to relay: ``[b"F", base, targets, request]``: the request (sealed by the
+  notebook, checked by each rank) for each engine uuid in ``targets`` (space-separated);
+  ``base`` is the request's id.
+- relay to notebook: ``[seal, *entries]``, the seal over the entries (kind :data:`BATCH`);
+  an entry is ``uuid, n, *n frames`` (the rank's message as it came, its seal checked),
+  or ``uuid, b"-", base``: the rank could not be reached for request ``base``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+from .lane import HELLO, REPLY, Seal
+
+#: the first byte of the relay's sealed frame to the notebook
+BATCH = b"B"
+#: the first frame of a request from the notebook
+FANOUT = b"F"
+#: an entry's count frame when its rank could not be reached
+UNREACHED = b"-"
+#: the most messages from ranks gathered into one batch
+MAX_BATCH = 4096
+
+
+def _setup(line: str):
+    """The sockets and the seal, from the notebook's JSON line."""
+    import zmq
+
+    spec = json.loads(line)
+    session = SimpleNamespace(
+        key=bytes.fromhex(spec["key"]), digest_mod=getattr(hashlib, spec["digest"])
+    )
+    ctx = zmq.Context()
+    back = ctx.socket(zmq.ROUTER)
+    back.linger = 0
+    back.router_mandatory = 1  # a rank that is not connected: said to the notebook at once
+    port = back.bind_to_random_port(f"tcp://{spec['ip']}")
+    front = ctx.socket(zmq.DEALER)
+    front.linger = 0
+    front.identity = spec["identity"].encode()
+    front.connect(spec["front"])
+    return ctx, front, back, Seal(session), f"tcp://{spec['ip']}:{port}"
+
+
+def serve(stdin_fd: int, front, back, seal: Seal) -> None:
+    """Pass requests out and replies in until the notebook goes."""
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    poller.register(stdin_fd, zmq.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        if stdin_fd in events and not os.read(stdin_fd, 4096):
+            return  # the notebook ended
+        if front in events:
+            _requests(front, back, seal)
+        if back in events:
+            _replies(front, back, seal)
+
+
+def _requests(front, back, seal: Seal) -> None:
+    import zmq
+
+    while True:
+        try:
+            frames = front.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) != 4 or frames[0] != FANOUT:
+            continue
+        _, base, targets, request = frames
+        lost: list[bytes] = []
+        for engine in targets.split():
+            try:
+                back.send_multipart([engine, request], copy=False)
+            except zmq.ZMQError:  # not connected (it ended): the notebook fails its call
+                lost += [engine, UNREACHED, base]
+        if lost:
+            front.send_multipart([seal.sealed(BATCH, b"", lost), *lost])
+
+
+def _replies(front, back, seal: Seal) -> None:
+    """Every message the ranks sent that is here now, each checked, as one batch."""
+    import zmq
+
+    entries: list = []
+    for _ in range(MAX_BATCH):
+        try:
+            frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            break
+        if len(frames) < 2:
+            continue
+        parts = frames[1:]
+        opened = seal.opened(parts[0].buffer, [f.buffer for f in parts[1:]])
+        if opened is None or opened[0] not in (REPLY, HELLO):
+            continue  # not signed with the cluster's key: dropped, as the notebook would
+        entries += [frames[0].bytes, b"%d" % len(parts), *(f.buffer for f in parts)]
+    if entries:
+        front.send_multipart([seal.sealed(BATCH, b"", entries), *entries], copy=False)
+
+
+def main() -> None:
+    line = sys.stdin.readline()
+    ctx, front, back, seal, url = _setup(line)
+    print(json.dumps({"back": url}), flush=True)
+    try:
+        serve(sys.stdin.fileno(), front, back, seal)
+    finally:
+        front.close(linger=0)
+        back.close(linger=0)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The relay (runtime/relay.py, cluster/relay.py): a local cluster's cells pass through one
+process that sends each cell to every rank and brings their replies back as one message.
+What a cell gives back must be the same as without it; a relay that ends must cost the
+cell waiting on it a sentence, not the session; nothing it started may outlive the
+cluster."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+from conftest import pids_alive, wait_until
+
+from notebook_dist import DistCluster
+from notebook_dist.config import DistConfig
+
+
+@pytest.fixture(scope="module")
+def relayed():
+    cluster = DistCluster(n=3, config=DistConfig(relay_from=2, spare_engines=0)).start()
+    relay = cluster.processes.lane.relay
+    assert relay is not None, "the relay did not start"
+    pids = [r.pid for r in cluster.ranks] + [relay.proc.pid]
+    yield cluster
+    cluster.shutdown()
+    assert pids_alive(pids) == [], "a rank or the relay outlived the cluster"
+
+
+def test_cells_values_output_and_errors_come_back_as_without_it(relayed):
+    lane = relayed.processes.lane
+    r = relayed.run("x = nd.rank * 10\nprint('hello from', nd.rank)\nx")
+    assert dict(r.values) == {0: 0, 1: 10, 2: 20} and not r.errors
+    assert lane.via_relay == {lane._uuid(e) for e in relayed.processes.engine_ids}
+    # an error on one rank, the others' values kept
+    r = relayed.run("if nd.rank == 1:\n    raise ValueError('only rank 1')\nnd.rank")
+    assert set(r.errors) == {1} and "ValueError: only rank 1" in str(r.errors[1])
+    assert r.values[0] == 0 and r.values[2] == 2
+    # a tensor comes back as its frames, through the relay as they are
+    r = relayed.run("torch.arange(100_000) + nd.rank")
+    assert [int(v[-1]) for _, v in sorted(r.values.items())] == [99_999, 100_000, 100_001]
+    # and the ranks still meet in collectives
+    r = relayed.run("t = torch.ones(2) * (nd.rank + 1)\ndist.all_reduce(t)\nt.tolist()")
+    assert dict(r.values) == {0: [6.0, 6.0], 1: [6.0, 6.0], 2: [6.0, 6.0]}
+
+
+def test_messages_not_sealed_with_the_clusters_key_are_dropped_by_the_relay(relayed):
+    import zmq
+
+    relay = relayed.processes.lane.relay
+    ctx = zmq.Context.instance()
+    forger = ctx.socket(zmq.DEALER)
+    forger.linger = 0
+    forger.identity = b"intruder-engine"
+    forger.connect(relay.back_url)
+    try:
+        forger.send_multipart([b"H" + b"\0" * 32 + b"intruder", b""])
+        forger.send(b"R" + b"\0" * 32 + b"0" * 32 + b"o0p")
+        r = relayed.run("nd.rank")
+        assert dict(r.values) == {0: 0, 1: 1, 2: 2} and not r.errors
+        assert "intruder" not in relayed.processes.lane.express_ready
+    finally:
+        forger.close()
+
+
+def test_a_relay_killed_mid_cell_fails_that_cell_with_a_sentence_and_the_next_goes_direct(
+    relayed,
+):
+    from notebook_dist.signals import send
+
+    lane = relayed.processes.lane
+    relay = lane.relay
+    done: list = []
+    cell = threading.Thread(
+        target=lambda: done.append(relayed.run("import time\ntime.sleep(1.5)\nnd.rank"))
+    )
+    cell.start()
+    time.sleep(0.5)
+    assert send(relay.record, signal.SIGKILL)
+    cell.join(30)
+    assert done, "the cell did not end after the relay was killed"
+    said = " ".join(str(e) for e in done[0].errors.values())
+    assert set(done[0].errors) == {0, 1, 2}, done[0]
+    assert "the relay between the notebook and the ranks killed by signal 9" in said, said
+    assert "The next call reaches the ranks directly." in said
+    assert lane.relay is None and lane.via_relay == set()
+    # the ranks kept their variables, and the next cell reaches them directly
+    r = relayed.run("x")
+    assert dict(r.values) == {0: 0, 1: 10, 2: 20} and not r.errors
+    assert wait_until(lambda: pids_alive([relay.proc.pid]) == [], 5)
+
+
+def test_a_relay_that_cannot_start_leaves_the_ranks_reached_directly(monkeypatch):
+    import subprocess
+
+    from notebook_dist.cluster import relay as relay_link
+
+    started: list = []
+
+    class Popen(subprocess.Popen):  # the relay's process, as the notebook starts it
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self.pid)
+
+    monkeypatch.setattr(relay_link, "START_S", 0.0)  # it never says its address in time
+    monkeypatch.setattr(relay_link, "Popen", Popen)
+    cluster = DistCluster(n=2, config=DistConfig(relay_from=2, spare_engines=0)).start()
+    try:
+        assert cluster.processes.lane.relay is None
+        assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1}
+        assert len(started) == 1 and pids_alive(started) == [], "a relay that failed was left"
+    finally:
+        cluster.shutdown()

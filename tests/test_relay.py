@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import pytest
 from conftest import pids_alive, wait_until
@@ -65,18 +64,20 @@ def test_messages_not_sealed_with_the_clusters_key_are_dropped_by_the_relay(rela
 
 
 def test_a_relay_killed_mid_cell_fails_that_cell_with_a_sentence_and_the_next_goes_direct(
-    relayed,
+    relayed, tmp_path
 ):
     from notebook_dist.signals import send
 
     lane = relayed.processes.lane
     relay = lane.relay
     done: list = []
-    cell = threading.Thread(
-        target=lambda: done.append(relayed.run("import time\ntime.sleep(1.5)\nnd.rank"))
+    code = (
+        f"import time\nopen(r'{tmp_path}/' + str(nd.rank), 'w').close()\ntime.sleep(1.5)\nnd.rank"
     )
+    cell = threading.Thread(target=lambda: done.append(relayed.run(code)))
     cell.start()
-    time.sleep(0.5)
+    # every rank runs the cell (its request went through the relay) before the relay dies
+    assert wait_until(lambda: len(list(tmp_path.iterdir())) == 3, 30)
     assert send(relay.record, signal.SIGKILL)
     cell.join(30)
     assert done, "the cell did not end after the relay was killed"

@@ -241,6 +241,19 @@ def monarch(reps: int, calls: int = 200) -> dict:
     }
 
 
+def empty_cells(cluster, cells: int) -> tuple[list[float], list[float]]:
+    """``cells`` empty cells after 3 to warm up: each one's wall time and the kernel's CPU."""
+    for _ in range(3):
+        cluster.run("pass").raise_for_errors()
+    wall, cpu = [], []
+    for _ in range(cells):
+        w0, c0 = time.perf_counter(), time.process_time()
+        cluster.run("pass").raise_for_errors()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return wall, cpu
+
+
 SCALE_SIZES = (2, 4, 8, 16, 32)
 
 
@@ -259,14 +272,7 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
         c = DistCluster(n=n, config=DistConfig(spare_engines=0)).start()
         start = time.perf_counter() - t0
         try:
-            for _ in range(3):
-                c.run("pass").raise_for_errors()
-            wall, cpu = [], []
-            for _ in range(cells):
-                w0, c0 = time.perf_counter(), time.process_time()
-                c.run("pass").raise_for_errors()
-                cpu.append(time.process_time() - c0)
-                wall.append(time.perf_counter() - w0)
+            wall, cpu = empty_cells(c, cells)
             c.run("x = torch.zeros(2**18)").raise_for_errors()  # 1 MiB of float32
             gather = []
             for _ in range(3):
@@ -345,14 +351,7 @@ def relay(reps: int, cells: int, n: int = 16) -> dict:
         c = DistCluster(n=size, config=config).start()
         try:
             assert (c.processes.lane.relay is not None) == relayed
-            for _ in range(3):
-                c.run("pass").raise_for_errors()
-            wall, cpu = [], []
-            for _ in range(cells):
-                w0, c0 = time.perf_counter(), time.process_time()
-                c.run("pass").raise_for_errors()
-                cpu.append(time.process_time() - c0)
-                wall.append(time.perf_counter() - w0)
+            wall, cpu = empty_cells(c, cells)
             assert len(c.processes.lane.via_relay) == (size if relayed else 0)
         finally:
             c.shutdown()

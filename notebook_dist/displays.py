@@ -18,7 +18,7 @@ _NO_TEXT = re.compile(r"^<[\w.]+ object(?: at 0x[0-9a-f]+)?>$")
 def in_kernel() -> bool:
     """Whether this process is a notebook's kernel (displays reach a front end)."""
     try:
-        from IPython import get_ipython
+        from IPython.core.getipython import get_ipython  # (not IPython's lazy __getattr__)
     except ImportError:
         return False
     return getattr(get_ipython(), "kernel", None) is not None
@@ -27,7 +27,7 @@ def in_kernel() -> bool:
 def cell_request() -> dict | None:
     """The request of the notebook cell this kernel runs now (None outside a kernel)."""
     try:
-        from IPython import get_ipython
+        from IPython.core.getipython import get_ipython  # (not IPython's lazy __getattr__)
     except ImportError:
         return None
     kernel = getattr(get_ipython(), "kernel", None)
@@ -36,14 +36,15 @@ def cell_request() -> dict | None:
 
 
 class DisplayRelay:
-    def __init__(self, put_text: Callable[[int, list[str]], None]):
-        self.put_text = put_text  # (rank, lines): a display's text, outside a kernel
+    def __init__(self):
         self._seen: dict[int, int] = {}  # per rank, how many of its outputs were relayed
         self._shown_ids: set[str] = set()  # a rank's displays the notebook shows (by id)
 
-    def relay(self, rank: int, md: dict) -> None:
+    def relay(self, rank: int, md: dict, put_text: Callable[[int, list[str]], None]) -> None:
         """The outputs ipyparallel collected from ``rank`` (``md["outputs"]``) since the
-        last call."""
+        last call; outside a kernel, each one's text is given to ``put_text(rank, lines)``
+        (given here, not kept: a relay that held its streamer's method would make a cycle,
+        and every cell's records would wait for the garbage collector)."""
         outputs = md.get("outputs") or []
         seen = self._seen.get(rank, 0)
         if len(outputs) <= seen:
@@ -53,7 +54,7 @@ class DisplayRelay:
             for output in outputs[seen:]:
                 text = output.get("data", {}).get("text/plain")
                 if text and not _NO_TEXT.match(text) and UPDATE not in output.get("metadata", {}):
-                    self.put_text(rank, text.removeprefix(f"[rank {rank}] ").split("\n"))
+                    put_text(rank, text.removeprefix(f"[rank {rank}] ").split("\n"))
             return
         for output in outputs[seen:]:
             self._publish(rank, output)

@@ -73,7 +73,7 @@ class OutputStreamer:
         self._order_seen: dict[int, int] = {}
         self._turns = itertools.count()
         self._displays: dict[tuple[int, str], Any] = {}  # live progress lines
-        self.displays = DisplayRelay(lambda rank, lines: self._put([rank], "stdout", lines))
+        self.displays = DisplayRelay()
         self.lines_written = 0
         self.last_line: dict[int, str] = {}  # per rank, for the dashboard
         for _, md in sources:
@@ -98,7 +98,7 @@ class OutputStreamer:
                 self._read_lines(rank, name, md.get(name) or "", end)
             for name in STREAMS:
                 self._read_partial(rank, name, md.get(name) or "")
-            self.displays.relay(rank, md)
+            self.displays.relay(rank, md, self._put_display)
         self._release(time.monotonic())
 
     def _grown(self, rank: int, md: dict) -> list[tuple[str, int]]:
@@ -190,6 +190,10 @@ class OutputStreamer:
         """Where the i-th rank's output goes when it comes after the cell ended
         (:func:`late_output`)."""
         return late_output(self.ranks, self.out, self.err, request)
+
+    def _put_display(self, rank: int, lines: list[str]) -> None:
+        """A display's text, outside a kernel: the rank's lines on stdout."""
+        self._put([rank], "stdout", lines)
 
     def _put(self, ranks: list[int], name: str, lines: list[str]) -> None:
         prefix = f"[{rank_list(ranks)}] "

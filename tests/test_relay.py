@@ -113,3 +113,26 @@ def test_a_relay_that_cannot_start_leaves_the_ranks_reached_directly(monkeypatch
         assert len(started) == 1 and pids_alive(started) == [], "a relay that failed was left"
     finally:
         cluster.shutdown()
+
+
+def test_a_cell_leaves_nothing_for_the_garbage_collector(relayed):
+    """Every rank's record of a cell, and the cell's output streamer, go when the cell
+    ends: none is in a reference cycle that only the collector would free (at 16 ranks
+    such cycles made the collector run after every few cells)."""
+    import gc
+
+    relayed.run("pass")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            relayed.run("print('x')\nnd.rank")
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        ours = [o for o in gc.garbage if type(o).__module__.startswith("notebook_dist")]
+        ours += [o for o in gc.garbage if type(o).__name__ in ("InOrder", "LateRecord")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert ours == [], sorted({type(o).__qualname__ for o in ours})

@@ -115,6 +115,44 @@ def test_a_relay_that_cannot_start_leaves_the_ranks_reached_directly(monkeypatch
         cluster.shutdown()
 
 
+def test_a_batch_goes_once_every_rank_asked_answered_or_when_its_first_has_waited():
+    from notebook_dist.runtime.lane import HELLO, REPLY
+    from notebook_dist.runtime.relay import HOLD_S, Batch
+
+    class Frame:
+        buffer = b"R..."
+
+    batch = Batch()
+    assert batch.wait_ms(0.0) is None  # nothing held
+    batch.asked(b"a")
+    batch.asked(b"b")
+    batch.add(b"a", REPLY, [Frame()], now=10.0)
+    assert 0 < batch.wait_ms(10.0) <= HOLD_S * 1000 + 1  # b not in yet: a waits, a little
+    assert batch.wait_ms(10.0 + HOLD_S) == 0  # but no longer than HOLD_S
+    batch.add(b"b", REPLY, [Frame()], now=10.0005)
+    assert batch.wait_ms(10.0005) == 0 and batch.awaited == {}  # every rank answered
+    assert batch.entries[::3] == [b"a", b"b"]
+    # a rank's hello (it joins) is never held, and a reply nobody waits for is not counted
+    other = Batch()
+    other.asked(b"c")
+    other.add(b"d", HELLO, [Frame()], now=5.0)
+    assert other.wait_ms(5.0) == 0 and other.awaited == {b"c": 1}
+
+
+def test_a_slow_rank_does_not_hold_back_the_others_replies(relayed):
+    seen: list = []
+
+    def on_update(view):
+        seen.append({r: v.status for r, v in view.views.items()})
+
+    r = relayed.run(
+        "import time\nif nd.rank == 2:\n    time.sleep(1.5)\nnd.rank", on_update=on_update
+    )
+    assert dict(r.values) == {0: 0, 1: 1, 2: 2}
+    # ranks 0 and 1 were seen done while rank 2 still slept: their batch did not wait for it
+    assert any(s[0] == s[1] == "done" and s[2] == "running" for s in seen), seen
+
+
 def test_a_cell_leaves_nothing_for_the_garbage_collector(relayed):
     """Every rank's record of a cell, and the cell's output streamer, go when the cell
     ends: none is in a reference cycle that only the collector would free (at 16 ranks

@@ -5,9 +5,10 @@ the number of ranks.
 Without it the notebook sends a cell's request to each rank and reads each rank's reply,
 and checks each reply's seal: its CPU per cell grows with the ranks (zmq's IO thread a
 frame each way per rank, the main thread a read and a check per rank). Through the relay
-the notebook sends the request once with the list of ranks, and reads the replies that
-came in one wake-up as one message, sealed once by the relay, which has checked each
-rank's own seal. The replies themselves are as the ranks sent them.
+the notebook sends the request once with the list of ranks, and reads the ranks' replies
+as one message (:class:`Batch`: all of them, or those that came within
+:data:`HOLD_S`), sealed once by the relay, which has checked each rank's own seal. The
+replies themselves are as the ranks sent them.
 
 It is started by the notebook (``python -m notebook_dist.runtime.relay``), reads what it
 needs from its standard input as one JSON line (the cluster's key, the notebook's express
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 from .lane import HELLO, REPLY, Seal
@@ -41,8 +44,10 @@ BATCH = b"B"
 FANOUT = b"F"
 #: an entry's count frame when its rank could not be reached
 UNREACHED = b"-"
-#: the most messages from ranks gathered into one batch
+#: the most messages from ranks read in one wake-up
 MAX_BATCH = 4096
+#: how long a rank's message waits for the others' before its batch goes (seconds)
+HOLD_S = 0.002
 
 
 def _setup(line: str):
@@ -65,6 +70,50 @@ def _setup(line: str):
     return ctx, front, back, Seal(session), f"tcp://{spec['ip']}:{port}"
 
 
+class Batch:
+    """The ranks' messages held for the next batch to the notebook, and how many requests
+    each rank has not answered yet.
+
+    A batch goes when every rank asked has answered, or :data:`HOLD_S` after its first
+    message came. On a machine with fewer cores than ranks the replies to one cell come
+    one by one over a few milliseconds; sent as they come, each would wake the notebook
+    (about 4 batches a cell at 16 ranks on 2 cores); held, the cell's replies come in one."""
+
+    __slots__ = ("entries", "since", "awaited")
+
+    def __init__(self):
+        self.entries: list = []
+        self.since: float | None = None  # when its first message came (monotonic)
+        self.awaited: dict[bytes, int] = {}  # engine uuid -> requests not answered
+
+    def asked(self, engine: bytes) -> None:
+        self.awaited[engine] = self.awaited.get(engine, 0) + 1
+
+    def add(self, engine: bytes, kind: bytes, parts: list, now: float) -> None:
+        if kind == REPLY and self.awaited.get(engine, 0) > 0:
+            self.awaited[engine] -= 1
+            if not self.awaited[engine]:
+                del self.awaited[engine]
+        elif kind == HELLO:  # (a rank that joins is not kept waiting)
+            self.since = now - HOLD_S
+        self.entries += [engine, b"%d" % len(parts), *(f.buffer for f in parts)]
+        if self.since is None:
+            self.since = now
+
+    def wait_ms(self, now: float) -> int | None:
+        """How long the relay may wait for more before this batch goes (None: nothing
+        is held; 0: it goes now)."""
+        if not self.entries:
+            return None
+        if not self.awaited:
+            return 0
+        return max(0, math.ceil((self.since + HOLD_S - now) * 1000))
+
+    def send(self, front, seal: Seal) -> None:
+        entries, self.entries, self.since = self.entries, [], None
+        front.send_multipart([seal.sealed(BATCH, b"", entries), *entries], copy=False)
+
+
 def serve(stdin_fd: int, front, back, seal: Seal) -> None:
     """Pass requests out and replies in until the notebook goes."""
     import zmq
@@ -73,17 +122,20 @@ def serve(stdin_fd: int, front, back, seal: Seal) -> None:
     poller.register(front, zmq.POLLIN)
     poller.register(back, zmq.POLLIN)
     poller.register(stdin_fd, zmq.POLLIN)
+    batch = Batch()
     while True:
-        events = dict(poller.poll())
+        events = dict(poller.poll(batch.wait_ms(time.monotonic())))
         if stdin_fd in events and not os.read(stdin_fd, 4096):
             return  # the notebook ended
         if front in events:
-            _requests(front, back, seal)
+            _requests(front, back, seal, batch)
         if back in events:
-            _replies(front, back, seal)
+            _replies(back, seal, batch)
+        if batch.wait_ms(time.monotonic()) == 0:
+            batch.send(front, seal)
 
 
-def _requests(front, back, seal: Seal) -> None:
+def _requests(front, back, seal: Seal, batch: Batch) -> None:
     import zmq
 
     while True:
@@ -100,15 +152,17 @@ def _requests(front, back, seal: Seal) -> None:
                 back.send_multipart([engine, request], copy=False)
             except zmq.ZMQError:  # not connected (it ended): the notebook fails its call
                 lost += [engine, UNREACHED, base]
+            else:
+                batch.asked(engine)
         if lost:
             front.send_multipart([seal.sealed(BATCH, b"", lost), *lost])
 
 
-def _replies(front, back, seal: Seal) -> None:
-    """Every message the ranks sent that is here now, each checked, as one batch."""
+def _replies(back, seal: Seal, batch: Batch) -> None:
+    """Every message the ranks sent that is here now, each checked, into the batch."""
     import zmq
 
-    entries: list = []
+    now = time.monotonic()
     for _ in range(MAX_BATCH):
         try:
             frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -120,9 +174,7 @@ def _replies(front, back, seal: Seal) -> None:
         opened = seal.opened(parts[0].buffer, [f.buffer for f in parts[1:]])
         if opened is None or opened[0] not in (REPLY, HELLO):
             continue  # not signed with the cluster's key: dropped, as the notebook would
-        entries += [frames[0].bytes, b"%d" % len(parts), *(f.buffer for f in parts)]
-    if entries:
-        front.send_multipart([seal.sealed(BATCH, b"", entries), *entries], copy=False)
+        batch.add(frames[0].bytes, opened[0], parts, now)
 
 
 def main() -> None:

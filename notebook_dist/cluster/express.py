@@ -90,22 +90,27 @@ class Records(defaultdict):
 
     def __init__(self, factory, entries=()):
         super().__init__(factory, entries)
-        #: msg_id -> where its late output goes (``late(stream, text)``), or None
-        self._forgotten: OrderedDict[str, Callable[[str, str], None] | None] = OrderedDict()
+        #: msg_id -> the call it was one of: (where its late output goes,
+        #: ``late(i, stream, text)``, and the call's msg_ids), or None
+        self._forgotten: OrderedDict[str, tuple | None] = OrderedDict()
 
     def __missing__(self, msg_id):
         if msg_id in self._forgotten:  # a record that is not kept
-            late = self._forgotten.get(msg_id)
-            return self.default_factory() if late is None else _late_record(late)
+            call = self._forgotten.get(msg_id)
+            if call is None:
+                return self.default_factory()
+            late, msg_ids = call
+            return _late_record(partial(late, msg_ids.index(msg_id)))
         return super().__missing__(msg_id)
 
     def forget(self, msg_ids, late: Callable[[int, str, str], None] | None = None) -> None:
         """Drop the records of ``msg_ids``; output for the i-th that comes later is given to
         ``late(i, stream, text)``."""
-        forgotten = self._forgotten
-        for i, m in enumerate(msg_ids):  # marked before the entry goes: the IO thread sees one
-            forgotten[m] = None if late is None else partial(late, i)
-            self.pop(m, None)
+        forgotten, pop = self._forgotten, self.pop
+        call = None if late is None else (late, msg_ids)  # (one for the call's ranks)
+        for m in msg_ids:  # marked before the entry goes: the IO thread sees one
+            forgotten[m] = call
+            pop(m, None)
         while len(forgotten) > self.KEEP:
             forgotten.popitem(last=False)
 

@@ -39,6 +39,9 @@ from .relay import entries as relay_entries
 
 log = logging.getLogger("notebook_dist")
 
+#: a reply head's bytes (``runtime/lane.py``): ok, wrote, and frames as they are
+_OK, _ONE, _FRAMES = ord("o"), ord("1"), ord("f")
+
 
 class Lane:
     """The notebook's end of the lane, for one cluster's client."""
@@ -210,7 +213,7 @@ class Lane:
             return
         self._one(sender.decode(), *opened, extra, False)
 
-    def _one(self, engine: str, kind: bytes, body, extra: list, relayed: bool) -> None:
+    def _one(self, engine: str, kind: bytes, body, extra, relayed: bool) -> None:
         """One rank's hello or reply, its seal checked (here, or by the relay)."""
         if kind == HELLO:
             said = bytes(body).decode()
@@ -219,13 +222,14 @@ class Lane:
             return
         if kind != REPLY:
             return
-        head = bytes(body[:REPLY_HEAD])
+        head = bytes(body[:REPLY_HEAD])  # the request's id, then a byte each: ok, wrote, how
         reply = self.pending.pop(f"{head[:32].decode()}-{engine}", None)
         if reply is None:  # a call already given up on
             return
-        ok, wrote, how = head[32:33] == b"o", head[33:34] == b"1", head[34:35]
-        value = [body[REPLY_HEAD:], *extra] if how == b"f" else pickle.loads(body[REPLY_HEAD:])
-        if ok:
+        wrote = head[33] == _ONE
+        rest = body[REPLY_HEAD:]
+        value = [rest, *extra] if head[34] == _FRAMES else pickle.loads(rest)
+        if head[32] == _OK:
             reply.finish(value, wrote=wrote)
         else:
             reply.finish(error=ExpressError(**value), wrote=wrote)

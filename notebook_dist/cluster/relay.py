@@ -10,9 +10,10 @@ import select
 import time
 import uuid
 from collections.abc import Iterator
-from subprocess import PIPE, Popen, TimeoutExpired
+from subprocess import PIPE, Popen
 
 from ..runtime.relay import BATCH, FANOUT, UNREACHED
+from ..signals import close_input
 
 #: how long a relay has to say its address (it imports zmq and nothing heavier)
 START_S = 10.0
@@ -63,14 +64,7 @@ class RelayLink:
 
     def close(self) -> None:
         """Its input closed: it ends by itself (the cluster's stop ends it if it does not)."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=1.0)
-        except TimeoutExpired:
-            pass
+        close_input(self.proc, 1.0)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
@@ -105,12 +99,12 @@ def entries(seal, frames: list) -> Iterator[tuple[str, bytes | None, object, lis
     skip = 1 + seal.size  # a rank's seal, checked by the relay
     i, n = 0, len(parts)
     while i + 2 < n:
-        engine, count = bytes(parts[i]).decode(), bytes(parts[i + 1])
+        engine, count = str(parts[i], "ascii"), parts[i + 1]
         if count == UNREACHED:
-            yield engine, None, bytes(parts[i + 2]).decode(), []
+            yield engine, None, str(parts[i + 2], "ascii"), []
             i += 3
             continue
-        k = int(count)
+        k = int(str(count, "ascii"))
         first = parts[i + 2]
-        yield engine, bytes(first[:1]), first[skip:], parts[i + 3 : i + 2 + k]
+        yield engine, bytes(first[:1]), first[skip:], parts[i + 3 : i + 2 + k] if k > 1 else ()
         i += 2 + k

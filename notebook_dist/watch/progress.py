@@ -66,22 +66,25 @@ class Progress:
         """Read every rank once; returns the ranks whose reply came in this poll."""
         ended = []
         progressed = False
+        views, token = self.views, self.token
         for r, md, fut in zip(self.ranks, self.metadata, self.futures):
-            v = self.views[r]
-            snap = (md.get("data") or {}).get("nd")
-            # this cell's snapshot (by its token: the rank's clock may differ from ours), and
-            # when it came, on our clock: how long a rank has waited never mixes two clocks
-            if v.status == "running" and snap and snap.get("cell_token") == self.token:
-                if snap is not v.published:
+            v = views[r]
+            if v.status == "running":
+                # this cell's snapshot (by its token: the rank's clock may differ from
+                # ours), and when it came, on our clock: how long a rank has waited never
+                # mixes two clocks
+                data = md.get("data")
+                snap = data.get("nd") if data else None
+                if snap and snap is not v.published and snap.get("cell_token") == token:
                     v.published = snap
                     v.snap = dict(snap, received=time.time())
-            if v.status == "running":
                 if r in dead:
                     v.status, v.exit, v.dead_at = "dead", dead[r], time.time()
                 elif fut.done():
                     self._take_reply(v, fut)
                     ended.append(r)
-            fp = fingerprint(v, md)
+            # (a rank that ended changes only by its output coming in)
+            fp = fingerprint(v, md) if v.status == "running" else (v.status, written(md))
             if fp != v.fingerprint:
                 v.fingerprint = fp
                 progressed = True
@@ -106,14 +109,22 @@ class Progress:
 
 
 def fingerprint(v: RankView, md: dict) -> tuple:
-    """What changes when a rank makes progress: a collective done, a new line, output."""
+    """What changes when a running rank makes progress: a collective done, a new line,
+    output."""
+    snap = v.snap
+    stack = snap.get("stack")
     return (
         v.status,
-        v.snap.get("collectives_done"),
-        v.snap.get("p2p_done"),
-        len(v.snap.get("p2p_pending") or ()),
-        (v.snap.get("collective") or {}).get("seq"),
-        tuple((f["file"], f["line"]) for f in v.snap.get("stack", [])[-3:]),
-        v.snap.get("reports"),
-        len(md.get("stdout") or "") + len(md.get("stderr") or ""),
+        snap.get("collectives_done"),
+        snap.get("p2p_done"),
+        len(snap.get("p2p_pending") or ()),
+        (snap.get("collective") or {}).get("seq"),
+        tuple([(f["file"], f["line"]) for f in stack[-3:]]) if stack else (),
+        snap.get("reports"),
+        written(md),
     )
+
+
+def written(md: dict) -> int:
+    """How much a rank has written (its record's two streams)."""
+    return len(md.get("stdout") or "") + len(md.get("stderr") or "")

@@ -112,14 +112,7 @@ class Reaper:
     def release(self) -> None:
         """The cluster was stopped cleanly: the reaper exits without ending anything."""
         self._send("release")
-        if self.proc.stdin is not None:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
+        if not signals.close_input(self.proc, 5.0):
             signals.send(self.started, signal.SIGKILL)
             self.proc.wait()
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal as _signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -239,3 +240,19 @@ def end(procs: list[Started], grace_s: float = 3.0) -> list[Started]:
         if is_running(proc) or group_members(proc):
             send_group(proc, _signal.SIGKILL)
     return ended
+
+
+def close_input(proc, wait_s: float) -> bool:
+    """The gentle end of a helper this process started with a pipe to its standard input
+    (the reaper, the relay): the pipe closed, which it reads as its end, then up to
+    ``wait_s`` seconds for it to exit. No signal is sent. Returns whether it exited."""
+    if proc.stdin is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True

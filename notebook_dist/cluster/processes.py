@@ -197,13 +197,12 @@ class Processes:
         return remote[rank] if rank < len(remote) else None
 
     def control_file(self, rank: int, kind: str = "release", pid: int | None = None) -> str:
-        """A rank's control file (``release``); with ``pid``, one only that process of the
-        rank writes (``fault``, ``record``: ``runtime.bootstrap.own_file``)."""
+        """A rank's control file (``runtime.bootstrap.rank_file``)."""
         folder = os.path.join(self.profile_dir, "control")
         if folder not in _MADE:  # (asked for every rank before each cell)
             os.makedirs(folder, exist_ok=True)
             _MADE.add(folder)
-        return os.path.join(folder, f"{kind}-rank-{rank}" + (f"-{pid}" if pid else ""))
+        return rt_bootstrap.rank_file(folder, kind, rank, pid)
 
     # ---- watching ---------------------------------------------------------------------
 

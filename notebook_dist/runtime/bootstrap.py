@@ -72,10 +72,11 @@ def bootstrap(
     STATE.bootstrapped = True
     _start_agent(control_file, publish_interval)
     if control_file:
-        _enable_fault_report(own_file(control_file, "fault"))
+        folder, pid = os.path.dirname(control_file), os.getpid()
+        _enable_fault_report(rank_file(folder, "fault", rank, pid))
         from .tracker import TRACKER, open_blackbox
 
-        TRACKER.blackbox = open_blackbox(own_file(control_file, "record"))
+        TRACKER.blackbox = open_blackbox(rank_file(folder, "record", rank, pid))
     _prepare_namespace(torch, dist)
     from ..signals import start_time
     from .host import machine_id
@@ -171,10 +172,12 @@ def flight_recorder_env(entries: int, torch_version, environ=None) -> None:
         environ[names[1]] = str(entries)
 
 
-def own_file(control_file: str, kind: str) -> str:
-    """This process's own ``kind`` file beside the rank's release file, as the notebook
-    names it (``cluster.processes.Processes.control_file`` with this pid)."""
-    return f"{control_file.replace('release-rank-', f'{kind}-rank-')}-{os.getpid()}"
+def rank_file(folder: str, kind: str, rank: int, pid: int | None = None) -> str:
+    """A rank's control file in ``folder``, by kind (``release``, ``answer``); with
+    ``pid``, one that only that process of the rank writes (``fault``, ``record``), so a
+    process that was the rank before cannot write over its successor's. The notebook
+    and the rank both name the files with this."""
+    return os.path.join(folder, f"{kind}-rank-{rank}" + (f"-{pid}" if pid else ""))
 
 
 def _enable_fault_report(path: str) -> None:

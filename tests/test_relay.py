@@ -131,7 +131,7 @@ def test_a_batch_goes_once_every_rank_asked_answered_or_when_its_first_has_waite
     assert batch.wait_ms(10.0 + HOLD_S) == 0  # but no longer than HOLD_S
     batch.add(b"b", REPLY, [Frame()], now=10.0005)
     assert batch.wait_ms(10.0005) == 0 and batch.awaited == {}  # every rank answered
-    assert batch.entries[::3] == [b"a", b"b"]
+    assert batch.index[::3] == [b"a", b"b"] and batch.data == [b"R...", b"R..."]
     # a rank's hello (it joins) is never held, and a reply nobody waits for is not counted
     other = Batch()
     other.asked(b"c")

@@ -92,19 +92,26 @@ def entries(seal, frames: list) -> Iterator[tuple[str, bytes | None, object, lis
     """The ranks' messages in a batch from the relay (nothing when its seal is not the
     cluster's): ``(engine, kind, body, extra)`` as each rank sealed them, or ``(engine,
     None, base, [])`` where the rank could not be reached for request ``base``."""
-    parts = [f.buffer for f in frames[1:]]
-    opened = seal.opened(frames[0].buffer, parts)
+    if len(frames) != 2:
+        return
+    data = frames[1].buffer
+    opened = seal.opened(frames[0].buffer, (data,))
     if opened is None or opened[0] != BATCH:
         return
+    words = bytes(opened[1]).split()
     skip = 1 + seal.size  # a rank's seal, checked by the relay
-    i, n = 0, len(parts)
+    i, n, at = 0, len(words), 0
     while i + 2 < n:
-        engine, count = str(parts[i], "ascii"), parts[i + 1]
+        engine, count = words[i].decode(), words[i + 1]
         if count == UNREACHED:
-            yield engine, None, str(parts[i + 2], "ascii"), []
+            yield engine, None, words[i + 2].decode(), []
             i += 3
             continue
-        k = int(str(count, "ascii"))
-        first = parts[i + 2]
-        yield engine, bytes(first[:1]), first[skip:], parts[i + 3 : i + 2 + k] if k > 1 else ()
-        i += 2 + k
+        parts = []
+        for size in words[i + 2 : i + 2 + int(count)]:
+            end = at + int(size)
+            parts.append(data[at:end])
+            at = end
+        i += 2 + len(parts)
+        first = parts[0]
+        yield engine, bytes(first[:1]), first[skip:], parts[1:]

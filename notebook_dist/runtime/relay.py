@@ -21,9 +21,12 @@ The messages:
 - notebook to relay: ``[b"F", base, targets, request]``: the request (sealed by the
   notebook, checked by each rank) for each engine uuid in ``targets`` (space-separated);
   ``base`` is the request's id.
-- relay to notebook: ``[seal, *entries]``, the seal over the entries (kind :data:`BATCH`);
-  an entry is ``uuid, n, *n frames`` (the rank's message as it came, its seal checked),
-  or ``uuid, b"-", base``: the rank could not be reached for request ``base``.
+- relay to notebook: two frames, ``[sealed index, data]`` (kind :data:`BATCH`, the seal
+  over both). The index is space-separated words, for each rank's message ``uuid n
+  len_1 ... len_n``: its n frames as it sent them (its seal checked), one after another
+  in ``data``; or ``uuid - base``: the rank could not be reached for request ``base``.
+  Two frames whatever the number of ranks: the notebook reads and checks each frame of a
+  message on its own, about 0.5 µs each.
 """
 
 from __future__ import annotations
@@ -79,10 +82,11 @@ class Batch:
     one by one over a few milliseconds; sent as they come, each would wake the notebook
     (about 4 batches a cell at 16 ranks on 2 cores); held, the cell's replies come in one."""
 
-    __slots__ = ("entries", "since", "awaited")
+    __slots__ = ("index", "data", "since", "awaited")
 
     def __init__(self):
-        self.entries: list = []
+        self.index: list[bytes] = []  # the batch's index, word by word
+        self.data: list = []  # the frames it indexes
         self.since: float | None = None  # when its first message came (monotonic)
         self.awaited: dict[bytes, int] = {}  # engine uuid -> requests not answered
 
@@ -96,22 +100,29 @@ class Batch:
                 del self.awaited[engine]
         elif kind == HELLO:  # (a rank that joins is not kept waiting)
             self.since = now - HOLD_S
-        self.entries += [engine, b"%d" % len(parts), *(f.buffer for f in parts)]
+        self.index += [engine, b"%d" % len(parts), *(b"%d" % len(f.buffer) for f in parts)]
+        self.data += [f.buffer for f in parts]
         if self.since is None:
             self.since = now
 
     def wait_ms(self, now: float) -> int | None:
         """How long the relay may wait for more before this batch goes (None: nothing
         is held; 0: it goes now)."""
-        if not self.entries:
+        if not self.index:
             return None
         if not self.awaited:
             return 0
         return max(0, math.ceil((self.since + HOLD_S - now) * 1000))
 
     def send(self, front, seal: Seal) -> None:
-        entries, self.entries, self.since = self.entries, [], None
-        front.send_multipart([seal.sealed(BATCH, b"", entries), *entries], copy=False)
+        send(front, seal, self.index, self.data)
+        self.index, self.data, self.since = [], [], None
+
+
+def send(front, seal: Seal, index: list[bytes], data: list) -> None:
+    """One batch to the notebook: its index and its data, sealed."""
+    body = b"".join(data)
+    front.send_multipart([seal.sealed(BATCH, b" ".join(index), (body,)), body], copy=False)
 
 
 def serve(stdin_fd: int, front, back, seal: Seal) -> None:
@@ -155,7 +166,7 @@ def _requests(front, back, seal: Seal, batch: Batch) -> None:
             else:
                 batch.asked(engine)
         if lost:
-            front.send_multipart([seal.sealed(BATCH, b"", lost), *lost])
+            send(front, seal, lost, [])
 
 
 def _replies(back, seal: Seal, batch: Batch) -> None:

@@ -343,9 +343,10 @@ def ordered_record() -> dict:
 def in_order(md: dict) -> list[tuple[str, int]] | None:
     """The order ``md``'s two streams grew in, from now on (what came before comes
     stdout first), or None for metadata that is not ipyparallel's."""
-    order = getattr(md, "__dict__", {}).get("_notebook_dist_order")
-    if order is not None:
-        return order
+    try:  # (a cell's own records: ordered from the start, see ordered_record)
+        return md.__dict__["_notebook_dist_order"]
+    except (AttributeError, KeyError):
+        pass
     metadata, in_order_class = _in_order_classes()
     if type(md) is not metadata:
         return None

@@ -29,13 +29,14 @@ class ExpressError(Exception):
 class Reply:
     """One rank's reply, as a finished future: ``done()``, ``result()``."""
 
-    __slots__ = ("msg_id", "engine", "wrote", "_done", "_value", "_error")
+    __slots__ = ("msg_id", "engine", "wrote", "_done", "_value", "_error", "_left")
 
-    def __init__(self, msg_id: str, engine: str):
+    def __init__(self, msg_id: str, engine: str, left: list[int]):
         self.msg_id, self.engine = msg_id, engine
         self.wrote = True  # until the reply says otherwise: its output may still come
         self._done = False
         self._value = self._error = None
+        self._left = left  # [how many of its call's replies are still to come]
 
     def done(self) -> bool:
         return self._done
@@ -47,7 +48,9 @@ class Reply:
 
     def finish(self, value=None, error: BaseException | None = None, wrote: bool = True):
         self._value, self._error, self.wrote = value, error, wrote
-        self._done = True
+        if not self._done:
+            self._done = True
+            self._left[0] -= 1
 
 
 class OutputDone:
@@ -150,16 +153,17 @@ class ExpressResult:
         self._lane = lane
         self.msg_ids = msg_ids
         metadata, futures = lane.client.metadata, lane.client._output_futures  # (traits)
-        self._metadata = [ordered_record() for _ in msg_ids]
-        for m, md in zip(msg_ids, self._metadata):  # (before the request is sent)
-            metadata[m] = md
-        self._children = [Reply(m, e) for m, e in zip(msg_ids, engines)]
-        self._outputs = [OutputDone() for _ in msg_ids]
-        for m, out in zip(msg_ids, self._outputs):
-            futures[m] = out
+        self._left = [len(msg_ids)]  # (each reply counts itself in as it finishes)
+        self._metadata, self._children, self._outputs = [], [], []
+        for m, e in zip(msg_ids, engines):  # (before the request is sent)
+            md = metadata[m] = ordered_record()
+            self._metadata.append(md)
+            self._children.append(Reply(m, e, self._left))
+            out = futures[m] = OutputDone()
+            self._outputs.append(out)
 
     def ready(self) -> bool:
-        return all(r.done() for r in self._children)
+        return self._left[0] <= 0
 
     def wait(self, timeout: float | None = -1) -> bool:
         """Wait until every reply is in, or ``timeout`` seconds (-1 or None: no limit)."""

@@ -122,12 +122,13 @@ def broken_marks(processes) -> dict[int, str]:
     if not processes.profile_dir:
         return {}
     try:  # one look at the folder, before each cell: a file per rank only when there is one
-        there = set(os.listdir(os.path.dirname(processes.control_file(0, "broken"))))
+        names = os.listdir(os.path.dirname(processes.control_file(0, "broken")))
     except OSError:
         return {}
     marks: dict[int, str] = {}
-    if not any(name.startswith("broken-") for name in there):
+    if "\0broken-" not in "\0" + "\0".join(names):  # (several files a rank: one look)
         return marks  # (before most cells)
+    there = set(names)
     for r in range(len(processes.ranks)):
         path = processes.control_file(r, "broken")
         if os.path.basename(path) in there and processes.local(r):

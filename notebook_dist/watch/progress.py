@@ -83,8 +83,10 @@ class Progress:
                 elif fut.done():
                     self._take_reply(v, fut)
                     ended.append(r)
-            # (a rank that ended changes only by its output coming in)
-            fp = fingerprint(v, md) if v.status == "running" else (v.status, written(md))
+            if v.status == "running":
+                fp = fingerprint(v, md)
+            else:  # (a rank that ended changes only by its output coming in)
+                fp = (v.status, len(md.get("stdout") or "") + len(md.get("stderr") or ""))
             if fp != v.fingerprint:
                 v.fingerprint = fp
                 progressed = True

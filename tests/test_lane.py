@@ -303,3 +303,18 @@ def test_a_release_leaves_the_lane_alone():
         uuids = {c.processes.client._engines[e] for e in c.processes.engine_ids}
         assert uuids <= c.processes.lane.express_ready  # (an engine not reached leaves it)
         assert dict(c.apply(made["lane_connections"])) == seen
+
+
+def test_a_replys_final_snapshot_leaves_out_only_its_empty_entries():
+    from notebook_dist.runtime.agent import OFTEN_EMPTY, snapshot, sparse
+
+    snap = snapshot(with_stack=False)
+    snap.update(rank=0, collectives_done=0, wait_s=0.0, history=[{"op": "all_reduce"}])
+    snap.update(metrics={}, stack=[], asking=None)
+    kept = sparse(snap)
+    # numbers stay, even when 0 (rank 0 is a rank); what happened stays
+    assert kept["rank"] == 0 and kept["collectives_done"] == 0 and kept["wait_s"] == 0.0
+    assert kept["history"] == [{"op": "all_reduce"}]
+    # the empty ones go; each is read with .get(...) or its empty value in the notebook
+    assert not {"metrics", "stack", "asking"} & set(kept)
+    assert set(snap) - set(kept) <= OFTEN_EMPTY

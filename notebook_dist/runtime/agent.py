@@ -185,6 +185,21 @@ def gpu_wait(now: float, nccl: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"nccl": nccl, "since": _gpu_busy["since"], "stream_idle": idle}
 
 
+#: a snapshot's entries that are empty (None, or an empty list or dict) unless something
+#: happened: a cell's reply leaves them out of its final snapshot (:func:`sparse`), which
+#: the notebook reads, as every snapshot, with ``.get``
+OFTEN_EMPTY = frozenset(
+    ("internal", "collective", "threads", "history", "p2p_pending", "stack")
+    + ("gpu", "gpu_wait", "metrics", "series", "asking")
+)
+
+
+def sparse(snap: dict[str, Any]) -> dict[str, Any]:
+    """``snap`` without its empty :data:`OFTEN_EMPTY` entries (numbers are all kept): each
+    rank's reply to every cell carries one, and half its entries are empty."""
+    return {k: v for k, v in snap.items() if v or k not in OFTEN_EMPTY}
+
+
 def snapshot(with_stack: bool = True) -> dict[str, Any]:
     now = time.time()
     current = TRACKER.current

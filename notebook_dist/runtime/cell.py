@@ -222,7 +222,7 @@ def end_cell(status: str) -> None:
 def _reply(result: dict, gather: list[str], shm_dir: str | None, prof) -> list:
     """The packed result: counts, the profile, the final snapshot, the gathered variables;
     what cannot travel is said exactly."""
-    from .agent import snapshot
+    from .agent import snapshot, sparse
     from .tracker import TRACKER
 
     ns = user_namespace()
@@ -231,7 +231,7 @@ def _reply(result: dict, gather: list[str], shm_dir: str | None, prof) -> list:
     if prof is not None:
         result["profile"] = prof.collect(list(TRACKER.history))
     result["wait_s"] = TRACKER.wait_s
-    result["final"] = snapshot(with_stack=False)  # the state at the end, even if never reported
+    result["final"] = sparse(snapshot(with_stack=False))  # the state at the end, always
     gathered = {name: ns[name] for name in gather if name in ns}
     result["gather"] = gathered
     result["missing"] = [name for name in gather if name not in ns]

@@ -88,31 +88,35 @@ class Records(defaultdict):
     request) does not make the entry again: it goes to where the call said its late output
     goes, or nowhere."""
 
-    #: how many forgotten requests are remembered as such
-    KEEP = 4096
+    #: how many forgotten express calls are remembered as such
+    KEEP = 512
 
     def __init__(self, factory, entries=()):
         super().__init__(factory, entries)
-        #: msg_id -> the call it was one of: (where its late output goes,
-        #: ``late(i, stream, text)``, and the call's msg_ids), or None
+        #: an express call's request id (its ranks' msg_ids are ``base-engine``) -> (where
+        #: its late output goes, ``late(i, stream, text)``, and its msg_ids), or None
         self._forgotten: OrderedDict[str, tuple | None] = OrderedDict()
 
     def __missing__(self, msg_id):
-        if msg_id in self._forgotten:  # a record that is not kept
-            call = self._forgotten.get(msg_id)
-            if call is None:
+        base, dash, _ = msg_id.partition("-")
+        if dash and base in self._forgotten:  # a record of a call that is over: not kept
+            call = self._forgotten.get(base)
+            if call is None or msg_id not in call[1]:
                 return self.default_factory()
             late, msg_ids = call
             return _late_record(partial(late, msg_ids.index(msg_id)))
         return super().__missing__(msg_id)
 
-    def forget(self, msg_ids, late: Callable[[int, str, str], None] | None = None) -> None:
-        """Drop the records of ``msg_ids``; output for the i-th that comes later is given to
-        ``late(i, stream, text)``."""
-        forgotten, pop = self._forgotten, self.pop
-        call = None if late is None else (late, msg_ids)  # (one for the call's ranks)
-        for m in msg_ids:  # marked before the entry goes: the IO thread sees one
-            forgotten[m] = call
+    def forget(self, msg_ids: list[str], late: Callable[[int, str, str], None] | None = None):
+        """Drop the records of one express call's ``msg_ids``; output for the i-th that
+        comes later is given to ``late(i, stream, text)``."""
+        if not msg_ids:
+            return
+        forgotten = self._forgotten
+        # marked before the entries go: the IO thread sees one or the other
+        forgotten[msg_ids[0].partition("-")[0]] = None if late is None else (late, msg_ids)
+        pop = self.pop
+        for m in msg_ids:
             pop(m, None)
         while len(forgotten) > self.KEEP:
             forgotten.popitem(last=False)

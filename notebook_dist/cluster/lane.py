@@ -112,10 +112,9 @@ class Lane:
         known = self.client._engines  # (a trait: read once)
         engines = [known.get(e) for e in engine_ids]
         missing = [e for e, u in zip(engine_ids, engines) if u not in self.express_ready]
-        if missing:
-            if not self._join(missing, queue_view):
-                return None
-            engines = [self._uuid(e) for e in engine_ids]
+        if missing and not self._join(missing, queue_view):
+            return None
+        engines = [self._uuid(e) for e in engine_ids] if missing else engines
         base = uuid.uuid4().hex  # each rank's message id is base-<its uuid>: one request for all
         msg_ids = [f"{base}-{engine}" for engine in engines]
         session = self.client.session
@@ -123,12 +122,14 @@ class Lane:
         request = self._seal.sealed(REQUEST, base.encode() + call)
         result = ExpressResult(self, msg_ids, engines)
         with self._xlock:
-            send, relayed = self._express.send, []
-            for engine, msg_id, reply in zip(engines, msg_ids, result._children):
-                self.pending[msg_id] = reply
-                if engine in self.via_relay:
-                    relayed.append(engine)
-                    continue
+            self.pending.update(zip(msg_ids, result._children))
+            send, via = self._express.send, self.via_relay
+            if via.issuperset(engines):  # (every rank through the relay: no look at each)
+                relayed, direct = engines, []
+            else:
+                relayed = [e for e in engines if e in via]
+                direct = [(e, m) for e, m in zip(engines, msg_ids) if e not in via]
+            for engine, msg_id in direct:
                 try:
                     send(engine.encode(), SNDMORE)
                     send(request)

@@ -163,6 +163,7 @@ def _requests(front, back, seal: Seal, batch: Batch) -> None:
                 back.send_multipart([engine, request], copy=False)
             except zmq.ZMQError:  # not connected (it ended): the notebook fails its call
                 lost += [engine, UNREACHED, base]
+                batch.awaited.pop(engine, None)  # (nothing more will come from it)
             else:
                 batch.asked(engine)
         if lost:

@@ -109,8 +109,8 @@ class Lane:
             return None
         with self._xlock:
             self._relay_check()
-        known = self.client._engines  # (a trait: read once)
-        engines = [known.get(e) for e in engine_ids]
+        known = self.client._engines  # (a trait: read once; ids -> uuids, as a plain dict)
+        engines = [dict.get(known, e) for e in engine_ids]
         missing = [e for e, u in zip(engine_ids, engines) if u not in self.express_ready]
         if missing and not self._join(missing, queue_view):
             return None
@@ -223,17 +223,16 @@ class Lane:
             return
         if kind != REPLY:
             return
-        head = bytes(body[:REPLY_HEAD])  # the request's id, then a byte each: ok, wrote, how
-        reply = self.pending.pop(f"{head[:32].decode()}-{engine}", None)
+        # the body: the request's id, then a byte each (ok, wrote, how), then the value
+        reply = self.pending.pop(f"{str(body[:32], 'ascii')}-{engine}", None)
         if reply is None:  # a call already given up on
             return
-        wrote = head[33] == _ONE
         rest = body[REPLY_HEAD:]
-        value = [rest, *extra] if head[34] == _FRAMES else pickle.loads(rest)
-        if head[32] == _OK:
-            reply.finish(value, wrote=wrote)
+        value = [rest, *extra] if body[34] == _FRAMES else pickle.loads(rest)
+        if body[32] == _OK:
+            reply.finish(value, None, body[33] == _ONE)
         else:
-            reply.finish(error=ExpressError(**value), wrote=wrote)
+            reply.finish(None, ExpressError(**value), body[33] == _ONE)
 
     def outstanding(self, engine: str) -> bool:
         """Whether an express call to this engine (uuid) waits for its reply."""

@@ -107,11 +107,17 @@ def entries(seal, frames: list) -> Iterator[tuple[str, bytes | None, object, lis
             yield engine, None, words[i + 2].decode(), []
             i += 3
             continue
-        parts = []
-        for size in words[i + 2 : i + 2 + int(count)]:
-            end = at + int(size)
-            parts.append(data[at:end])
+        k = int(count)
+        if k == 1:  # (a reply that is not a tensor's frames: most)
+            end = at + int(words[i + 2])
+            first, extra = data[at:end], ()
             at = end
-        i += 2 + len(parts)
-        first = parts[0]
-        yield engine, bytes(first[:1]), first[skip:], parts[1:]
+        else:
+            parts = []
+            for size in words[i + 2 : i + 2 + k]:
+                end = at + int(size)
+                parts.append(data[at:end])
+                at = end
+            first, extra = parts[0], parts[1:]
+        i += 2 + k
+        yield engine, bytes(first[:1]), first[skip:], extra

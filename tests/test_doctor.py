@@ -8,10 +8,11 @@ import io
 import os
 import re
 import socket
+import time
 
 import pytest
 import torch
-from conftest import ctrl_c_after, until_verdict, wait_until
+from conftest import Hung, ctrl_c_after, until_verdict, wait_until
 
 from notebook_dist import DistCluster
 from notebook_dist.errors import ClusterError
@@ -743,15 +744,32 @@ def test_a_group_whose_connections_closed_is_rebuilt(cluster):
     says so, the group is rebuilt, and the next cell works."""
     cluster.run("kept = nd.rank").raise_for_errors()
     out = io.StringIO()
-    r = cluster.run(
-        "from notebook_dist.runtime import recover\nimport os, socket\n"
-        "if nd.rank == 1:\n"
-        "    for fd in recover.gloo_socket_fds():\n"
-        "        socket.socket(fileno=os.dup(fd)).shutdown(socket.SHUT_RDWR)\n"
-        "dist.all_reduce(torch.ones(1))\n",
-        out=out,
-    )
-    assert r.errors, "the collective should have failed"
+    t0, seen = time.monotonic(), {}
+
+    def give_up(watch):
+        # the collective fails at once on both ranks: a cell still running a minute on
+        # is this test's failure, told with what each rank was seen doing
+        if time.monotonic() - t0 > 60:
+            seen["ranks"] = {k: (v.status, v.snap, v.result) for k, v in watch.views.items()}
+            raise Hung()
+
+    try:
+        r = cluster.run(
+            "from notebook_dist.runtime import recover\nimport os, socket\n"
+            "shut = []\n"
+            "if nd.rank == 1:\n"
+            "    for fd in recover.gloo_socket_fds():\n"
+            "        s = socket.socket(fileno=os.dup(fd))\n"
+            "        shut.append((s.getsockname(), s.getpeername()))\n"
+            "        s.shutdown(socket.SHUT_RDWR)\n"
+            "    print('shut', shut, flush=True)\n"
+            "dist.all_reduce(torch.ones(1))\n",
+            out=out,
+            on_update=give_up,
+        )
+    except KeyboardInterrupt:
+        pytest.fail(f"the cell did not end: {seen.get('ranks')}\n{out.getvalue()}")
+    assert r.errors, f"the collective should have failed:\n{out.getvalue()}"
     assert "notebook_dist: the process group broke in this cell (rank " in out.getvalue()
     assert "it was rebuilt" in out.getvalue() and "every rank kept its variables" in out.getvalue()
     r = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\n(float(t), kept)")

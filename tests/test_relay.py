@@ -14,6 +14,7 @@ from conftest import pids_alive, wait_until
 
 from notebook_dist import DistCluster
 from notebook_dist.config import DistConfig
+from notebook_dist.errors import ClusterError
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +175,71 @@ def test_a_cell_leaves_nothing_for_the_garbage_collector(relayed):
         gc.garbage.clear()
         gc.enable()
     assert ours == [], sorted({type(o).__qualname__ for o in ours})
+
+
+def test_the_relay_stops_waiting_for_a_rank_the_notebook_gave_up_on():
+    """A rank that died owes the relay its reply: told so, the relay no longer holds every
+    later batch for it."""
+    import zmq
+
+    from notebook_dist.runtime import relay
+    from notebook_dist.runtime.lane import Seal
+
+    ctx = zmq.Context()
+    notebook, front, back, rank = (
+        ctx.socket(k) for k in (zmq.ROUTER, zmq.DEALER, zmq.ROUTER, zmq.DEALER)
+    )
+    try:
+        for s in (notebook, front, back, rank):
+            s.linger = 0
+        back.router_mandatory = 1
+        front.identity, rank.identity = b"relay", b"x"
+        port = notebook.bind_to_random_port("tcp://127.0.0.1")
+        front.connect(f"tcp://127.0.0.1:{port}")
+        back_port = back.bind_to_random_port("tcp://127.0.0.1")
+        rank.connect(f"tcp://127.0.0.1:{back_port}")
+        rank.send(b"hello")  # (the relay's router knows it once it has spoken)
+        assert back.poll(5000) and back.recv_multipart()[0] == b"x"
+        seal = Seal(type("Session", (), {"key": b"k", "digest_mod": __import__("hashlib").sha256}))
+        batch = relay.Batch()
+
+        def delivered(*frames):
+            notebook.send_multipart([b"relay", *frames])
+            assert front.poll(5000)
+            relay._requests(front, back, seal, batch)
+
+        delivered(relay.FANOUT, b"base", b"x", b"request")
+        assert rank.poll(5000) and rank.recv() == b"request"
+        assert batch.awaited == {b"x": 1}
+        delivered(relay.DROP, b"x y")  # (y: a rank it never asked, ignored)
+        assert batch.awaited == {}
+    finally:
+        for s in (notebook, front, back, rank):
+            s.close()
+        ctx.term()
+
+
+def test_a_call_whose_rank_died_tells_the_relay_to_stop_waiting_for_it(monkeypatch):
+    from notebook_dist.cluster.lane import Lane
+
+    given_up: list = []
+    original = Lane.given_up
+
+    def spy(self, engines):  # (the real call, noted)
+        given_up.append(list(engines))
+        return original(self, engines)
+
+    monkeypatch.setattr(Lane, "given_up", spy)
+    cluster = DistCluster(n=2, config=DistConfig(relay_from=2, spare_engines=0)).start()
+    try:
+        lane = cluster.processes.lane
+        engines = [dict.get(lane.client._engines, r.engine_id) for r in cluster.ranks]
+        assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1}  # (the ranks joined it)
+        assert lane.relay is not None and set(engines) <= lane.via_relay
+        with pytest.raises(ClusterError, match="rank 1 was killed by SIGKILL"):
+            cluster.run(
+                "import os, signal\nif nd.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)"
+            )
+        assert given_up == [[engines[1]]]  # rank 0 answered; rank 1 never will
+    finally:
+        cluster.shutdown()

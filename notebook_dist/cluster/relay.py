@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 from subprocess import PIPE, Popen
 
-from ..runtime.relay import BATCH, FANOUT, UNREACHED
+from ..runtime.relay import BATCH, DROP, FANOUT, UNREACHED
 from ..signals import close_input
 
 #: how long a relay has to say its address (it imports zmq and nothing heavier)
@@ -71,6 +71,11 @@ class RelayLink:
     def request(self, base: str, engines: list[str], request: bytes) -> list:
         """The frames that ask the relay to pass ``request`` to ``engines``."""
         return [self.ident, FANOUT, base.encode(), " ".join(engines).encode(), request]
+
+    def given_up(self, engines: list[str]) -> list:
+        """The frames that tell the relay the notebook no longer waits for one reply from
+        each of ``engines``."""
+        return [self.ident, DROP, " ".join(engines).encode()]
 
 
 def _line(proc: Popen, timeout: float) -> str:

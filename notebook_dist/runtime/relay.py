@@ -21,6 +21,9 @@ The messages:
 - notebook to relay: ``[b"F", base, targets, request]``: the request (sealed by the
   notebook, checked by each rank) for each engine uuid in ``targets`` (space-separated);
   ``base`` is the request's id.
+- notebook to relay: ``[b"D", targets]``: the notebook no longer waits for one reply from
+  each engine in ``targets`` (its rank died during the call): batches are no longer held
+  for it.
 - relay to notebook: two frames, ``[sealed index, data]`` (kind :data:`BATCH`, the seal
   over both). The index is space-separated words, for each rank's message ``uuid n
   len_1 ... len_n``: its n frames as it sent them (its seal checked), one after another
@@ -45,6 +48,8 @@ from .lane import HELLO, REPLY, Seal
 BATCH = b"B"
 #: the first frame of a request from the notebook
 FANOUT = b"F"
+#: the first frame of the notebook's word that it gave up on some ranks' replies
+DROP = b"D"
 #: an entry's count frame when its rank could not be reached
 UNREACHED = b"-"
 #: the most messages from ranks read in one wake-up
@@ -93,11 +98,18 @@ class Batch:
     def asked(self, engine: bytes) -> None:
         self.awaited[engine] = self.awaited.get(engine, 0) + 1
 
+    def answered(self, engine: bytes) -> None:
+        """One request fewer awaited from ``engine``: it replied, or the notebook gave up
+        on its reply (a rank that died would otherwise hold every later batch)."""
+        left = self.awaited.get(engine, 0) - 1
+        if left > 0:
+            self.awaited[engine] = left
+        else:
+            self.awaited.pop(engine, None)
+
     def add(self, engine: bytes, kind: bytes, parts: list, now: float) -> None:
-        if kind == REPLY and self.awaited.get(engine, 0) > 0:
-            self.awaited[engine] -= 1
-            if not self.awaited[engine]:
-                del self.awaited[engine]
+        if kind == REPLY:
+            self.answered(engine)
         elif kind == HELLO:  # (a rank that joins is not kept waiting)
             self.since = now - HOLD_S
         self.index += [engine, b"%d" % len(parts), *(b"%d" % len(f.buffer) for f in parts)]
@@ -154,6 +166,10 @@ def _requests(front, back, seal: Seal, batch: Batch) -> None:
             frames = front.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
+        if len(frames) == 2 and frames[0] == DROP:
+            for engine in frames[1].split():
+                batch.answered(engine)
+            continue
         if len(frames) != 4 or frames[0] != FANOUT:
             continue
         _, base, targets, request = frames

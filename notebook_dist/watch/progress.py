@@ -86,7 +86,7 @@ class Progress:
             if v.status == "running":
                 fp = fingerprint(v, md)
             else:  # (a rank that ended changes only by its output coming in)
-                fp = (v.status, len(md.get("stdout") or "") + len(md.get("stderr") or ""))
+                fp = (v.status, written(md))
             if fp != v.fingerprint:
                 v.fingerprint = fp
                 progressed = True

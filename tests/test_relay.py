@@ -220,16 +220,16 @@ def test_the_relay_stops_waiting_for_a_rank_the_notebook_gave_up_on():
 
 
 def test_a_call_whose_rank_died_tells_the_relay_to_stop_waiting_for_it(monkeypatch):
-    from notebook_dist.cluster.lane import Lane
+    from notebook_dist.cluster import express
 
     given_up: list = []
-    original = Lane.given_up
+    original = express.given_up
 
-    def spy(self, engines):  # (the real call, noted)
+    def spy(lane, engines):  # (the real call, noted)
         given_up.append(list(engines))
-        return original(self, engines)
+        return original(lane, engines)
 
-    monkeypatch.setattr(Lane, "given_up", spy)
+    monkeypatch.setattr(express, "given_up", spy)
     cluster = DistCluster(n=2, config=DistConfig(relay_from=2, spare_engines=0)).start()
     try:
         lane = cluster.processes.lane

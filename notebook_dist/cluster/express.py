@@ -202,5 +202,16 @@ class ExpressResult:
             if not reply.done():
                 unanswered.append(reply.engine)
         if unanswered:  # (a rank that died during the call: the relay stops waiting for it)
-            self._lane.given_up(unanswered)
+            given_up(self._lane, unanswered)
         self._lane.records.forget(self.msg_ids, late)
+
+
+def given_up(lane, engines: list[str]) -> None:
+    """The notebook no longer waits for one reply from each of ``engines`` (their ranks
+    died, or the call was given up on): the lane's relay, if any, stops waiting too."""
+    with lane._xlock:
+        if lane.relay is not None:
+            try:
+                lane._express.send_multipart(lane.relay.given_up(engines))
+            except Exception:  # the relay ended: the lane's next call finds it so
+                pass

@@ -143,17 +143,6 @@ class Lane:
                         self._unreached(f"{base}-{engine}", engine, f"relay gone: {exc}")
         return result
 
-    def given_up(self, engines: list[str]) -> None:
-        """The notebook no longer waits for one reply from each of ``engines`` (their
-        ranks died during a call): the relay stops waiting too (it has nothing to stop
-        for a rank reached directly, or one already found unreachable)."""
-        with self._xlock:
-            if self.relay is not None:
-                try:
-                    self._express.send_multipart(self.relay.given_up(engines))
-                except Exception:  # the relay ended: the next call finds it so
-                    pass
-
     def _unreached(self, msg_id: str, engine: str, why: str, wrote: bool = True) -> None:
         """A call that cannot reach ``engine``, failed; ``wrote``: its output may still come
         (False: the rank runs on, and its 'idle' is not waited for)."""

@@ -195,14 +195,11 @@ class ExpressResult:
         that comes later is ignored; output, ``late(i, stream, text)`` for the i-th rank
         asked)."""
         pending, futures = self._lane.pending, self._lane.client._output_futures
-        unanswered = []
         for reply in self._children:
             pending.pop(reply.msg_id, None)
             futures.pop(reply.msg_id, None)
-            if not reply.done():
-                unanswered.append(reply.engine)
-        if unanswered:  # (a rank that died during the call: the relay stops waiting for it)
-            given_up(self._lane, unanswered)
+        if not self.ready():  # (a rank that died during the call: the relay stops waiting for it)
+            given_up(self._lane, [r.engine for r in self._children if not r.done()])
         self._lane.records.forget(self.msg_ids, late)
 
 

@@ -350,9 +350,9 @@ def relay(reps: int, cells: int, n: int = 16) -> dict:
         config = DistConfig(spare_engines=0, relay_from=2 if relayed else None)
         c = DistCluster(n=size, config=config).start()
         try:
-            assert (c.processes.lane.relay is not None) == relayed
+            assert (c.processes.lane.route.relay is not None) == relayed
             wall, cpu = empty_cells(c, cells)
-            assert len(c.processes.lane.via_relay) == (size if relayed else 0)
+            assert len(c.processes.lane.route.via_relay) == (size if relayed else 0)
         finally:
             c.shutdown()
         # the median cell, and the mean (all the CPU over all the cells: what a median

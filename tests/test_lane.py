@@ -119,16 +119,16 @@ def test_messages_not_signed_with_the_clusters_key_are_dropped():
             forged.send(sock, "apply_reply", {"status": "ok"})
             sock.send_multipart([b"<IDS|MSG>", b"", b"{}", b"{}", b"{}", b"{}"])
             # and on the express route: a hello, and a reply to a call in flight
-            xsock.connect(lane.express_url)
+            xsock.connect(lane.route.url)
             xsock.send(Seal(forged).sealed(HELLO, b"intruder"))
             time.sleep(0.5)
-            base = next(iter(lane.pending), "0" * 32)[:32].encode()
+            base = next(iter(lane.route.pending), "0" * 32)[:32].encode()
             xsock.send(Seal(forged).sealed(REPLY, base + b"o0p" + pickle.dumps({0: "forged"})))
             time.sleep(0.5)
             assert "intruder" not in lane.ready
             r = c.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
             assert dict(r.values) == {0: 2.0, 1: 2.0}
-            assert "intruder" not in lane.express_ready
+            assert "intruder" not in lane.route.ready
         finally:
             sock.close()
             xsock.close()
@@ -184,7 +184,7 @@ def test_a_cell_takes_the_express_route_and_its_output_is_whole(tmp_path):
             assert dict(r.values) == {0: 0, 1: 1}
             assert dict(c.run("nd.rank * 10").values) == {0: 0, 1: 10}
         assert _completed(c) - before == 0  # not one request through the queue
-        assert not lane.pending
+        assert not lane.route.pending
         assert set(client.metadata) <= records  # each cell's records were dropped
         # output that comes after its cell is over (a thread's, written while no cell
         # runs: parented on the cell that was current) does not bring the record back,
@@ -230,8 +230,8 @@ def test_an_express_request_not_signed_with_the_clusters_key_is_not_run(tmp_path
 
         def request(path, signer):
             call = pickle.dumps((session.session, session.username, os.makedirs, (str(path),)))
-            with lane._xlock:
-                lane._express.send_multipart(
+            with lane.route._lock:
+                lane.route._socket.send_multipart(
                     [engine.encode(), Seal(signer).sealed(REQUEST, b"f" * 32 + call)]
                 )
 
@@ -239,7 +239,7 @@ def test_an_express_request_not_signed_with_the_clusters_key_is_not_run(tmp_path
         request(tmp_path / "signed", session)
         deadline = time.monotonic() + 30
         while not (tmp_path / "signed").exists() and time.monotonic() < deadline:
-            lane.pump(0.05)
+            lane.route.pump(0.05)
         assert (tmp_path / "signed").is_dir()
         assert not (tmp_path / "forged").exists()
         assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
@@ -267,7 +267,7 @@ def test_express_requests_that_queue_up_are_each_served_once_in_order(tmp_path):
             assert call is not None and call.wait(30)
         assert [call._children[0].result() for call in calls] == [None] * 20
         assert os.path.isdir(paths[-1])
-        assert not lane.pending
+        assert not lane.route.pending
         assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
 
 
@@ -301,7 +301,7 @@ def test_a_release_leaves_the_lane_alone():
         assert r.released == [0] and set(r.errors) == {1}
         assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
         uuids = {c.processes.client._engines[e] for e in c.processes.engine_ids}
-        assert uuids <= c.processes.lane.express_ready  # (an engine not reached leaves it)
+        assert uuids <= c.processes.lane.route.ready  # (an engine not reached leaves it)
         assert dict(c.apply(made["lane_connections"])) == seen
 
 

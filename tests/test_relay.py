@@ -20,7 +20,7 @@ from notebook_dist.errors import ClusterError
 @pytest.fixture(scope="module")
 def relayed():
     cluster = DistCluster(n=3, config=DistConfig(relay_from=2, spare_engines=0)).start()
-    relay = cluster.processes.lane.relay
+    relay = cluster.processes.lane.route.relay
     assert relay is not None, "the relay did not start"
     pids = [r.pid for r in cluster.ranks] + [relay.proc.pid]
     yield cluster
@@ -32,7 +32,7 @@ def test_cells_values_output_and_errors_come_back_as_without_it(relayed):
     lane = relayed.processes.lane
     r = relayed.run("x = nd.rank * 10\nprint('hello from', nd.rank)\nx")
     assert dict(r.values) == {0: 0, 1: 10, 2: 20} and not r.errors
-    assert lane.via_relay == {lane._uuid(e) for e in relayed.processes.engine_ids}
+    assert lane.route.via_relay == {lane._uuid(e) for e in relayed.processes.engine_ids}
     # an error on one rank, the others' values kept
     r = relayed.run("if nd.rank == 1:\n    raise ValueError('only rank 1')\nnd.rank")
     assert set(r.errors) == {1} and "ValueError: only rank 1" in str(r.errors[1])
@@ -48,7 +48,7 @@ def test_cells_values_output_and_errors_come_back_as_without_it(relayed):
 def test_messages_not_sealed_with_the_clusters_key_are_dropped_by_the_relay(relayed):
     import zmq
 
-    relay = relayed.processes.lane.relay
+    relay = relayed.processes.lane.route.relay
     ctx = zmq.Context.instance()
     forger = ctx.socket(zmq.DEALER)
     forger.linger = 0
@@ -59,7 +59,7 @@ def test_messages_not_sealed_with_the_clusters_key_are_dropped_by_the_relay(rela
         forger.send(b"R" + b"\0" * 32 + b"0" * 32 + b"o0p")
         r = relayed.run("nd.rank")
         assert dict(r.values) == {0: 0, 1: 1, 2: 2} and not r.errors
-        assert "intruder" not in relayed.processes.lane.express_ready
+        assert "intruder" not in relayed.processes.lane.route.ready
     finally:
         forger.close()
 
@@ -70,7 +70,7 @@ def test_a_relay_killed_mid_cell_fails_that_cell_with_a_sentence_and_the_next_go
     from notebook_dist.signals import send
 
     lane = relayed.processes.lane
-    relay = lane.relay
+    relay = lane.route.relay
     done: list = []
     code = (
         f"import time\nopen(r'{tmp_path}/' + str(nd.rank), 'w').close()\ntime.sleep(1.5)\nnd.rank"
@@ -86,7 +86,7 @@ def test_a_relay_killed_mid_cell_fails_that_cell_with_a_sentence_and_the_next_go
     assert set(done[0].errors) == {0, 1, 2}, done[0]
     assert "the relay between the notebook and the ranks killed by signal 9" in said, said
     assert "The next call reaches the ranks directly." in said
-    assert lane.relay is None and lane.via_relay == set()
+    assert lane.route.relay is None and lane.route.via_relay == set()
     # the ranks kept their variables, and the next cell reaches them directly
     r = relayed.run("x")
     assert dict(r.values) == {0: 0, 1: 10, 2: 20} and not r.errors
@@ -109,7 +109,7 @@ def test_a_relay_that_cannot_start_leaves_the_ranks_reached_directly(monkeypatch
     monkeypatch.setattr(relay_link, "Popen", Popen)
     cluster = DistCluster(n=2, config=DistConfig(relay_from=2, spare_engines=0)).start()
     try:
-        assert cluster.processes.lane.relay is None
+        assert cluster.processes.lane.route.relay is None
         assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1}
         assert len(started) == 1 and pids_alive(started) == [], "a relay that failed was left"
     finally:
@@ -222,22 +222,22 @@ def test_the_relay_stops_waiting_for_a_rank_the_notebook_gave_up_on():
 
 
 def test_a_call_whose_rank_died_tells_the_relay_to_stop_waiting_for_it(monkeypatch):
-    from notebook_dist.cluster import express
+    from notebook_dist.cluster.route import ExpressRoute
 
     given_up: list = []
-    original = express.given_up
+    original = ExpressRoute.given_up
 
-    def spy(lane, engines):  # (the real call, noted)
+    def spy(route, engines):  # (the real call, noted)
         given_up.append(list(engines))
-        return original(lane, engines)
+        return original(route, engines)
 
-    monkeypatch.setattr(express, "given_up", spy)
+    monkeypatch.setattr(ExpressRoute, "given_up", spy)
     cluster = DistCluster(n=2, config=DistConfig(relay_from=2, spare_engines=0)).start()
     try:
         lane = cluster.processes.lane
         engines = [dict.get(lane.client._engines, r.engine_id) for r in cluster.ranks]
         assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1}  # (the ranks joined it)
-        assert lane.relay is not None and set(engines) <= lane.via_relay
+        assert lane.route.relay is not None and set(engines) <= lane.route.via_relay
         with pytest.raises(ClusterError, match="rank 1 was killed by SIGKILL"):
             cluster.run(
                 "import os, signal\nif nd.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)"

@@ -326,7 +326,7 @@ def _answering(processes, engine_id: int) -> bool:
     uuid = processes.client._engines.get(engine_id)
     lane = processes.lane
     return bool(uuid) and bool(
-        processes.client._outstanding_dict.get(uuid) or (lane and lane.outstanding(uuid))
+        processes.client._outstanding_dict.get(uuid) or (lane and lane.route.outstanding(uuid))
     )
 
 

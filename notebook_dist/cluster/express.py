@@ -153,10 +153,10 @@ def _late_record(late: Callable[[str, str], None]):
 class ExpressResult:
     """The ranks' replies to one express call, in the order of the engines asked."""
 
-    def __init__(self, lane, msg_ids: list[str], engines: list[str]):
-        self._lane = lane
+    def __init__(self, route, msg_ids: list[str], engines: list[str]):
+        self._route = route  # (cluster/route.py)
         self.msg_ids = msg_ids
-        metadata, futures = lane.client.metadata, lane.client._output_futures  # (traits)
+        metadata, futures = route.client.metadata, route.client._output_futures  # (traits)
         self._left = [len(msg_ids)]  # (each reply counts itself in as it finishes)
         self._metadata, self._children, self._outputs = [], [], []
         for m, e in zip(msg_ids, engines):  # (before the request is sent)
@@ -177,7 +177,7 @@ class ExpressResult:
             left = 0.05 if forever else deadline - time.monotonic()
             if left <= 0:
                 break
-            self._lane.pump(min(left, 0.05))
+            self._route.pump(min(left, 0.05))
         return self.ready()
 
     def wait_for_output(self, timeout: float | None = -1) -> bool:
@@ -194,21 +194,11 @@ class ExpressResult:
         """The call is over: what the client and the lane keep for it is dropped (a reply
         that comes later is ignored; output, ``late(i, stream, text)`` for the i-th rank
         asked)."""
-        pending, futures = self._lane.pending, self._lane.client._output_futures
+        route = self._route
+        pending, futures = route.pending, route.client._output_futures
         for reply in self._children:
             pending.pop(reply.msg_id, None)
             futures.pop(reply.msg_id, None)
         if not self.ready():  # (a rank that died during the call: the relay stops waiting for it)
-            given_up(self._lane, [r.engine for r in self._children if not r.done()])
-        self._lane.records.forget(self.msg_ids, late)
-
-
-def given_up(lane, engines: list[str]) -> None:
-    """The notebook no longer waits for one reply from each of ``engines`` (their ranks
-    died, or the call was given up on): the lane's relay, if any, stops waiting too."""
-    with lane._xlock:
-        if lane.relay is not None:
-            try:
-                lane._express.send_multipart(lane.relay.given_up(engines))
-            except Exception:  # the relay ended: the lane's next call finds it so
-                pass
+            route.given_up([r.engine for r in self._children if not r.done()])
+        route.records.forget(self.msg_ids, late)

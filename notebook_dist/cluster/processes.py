@@ -489,7 +489,7 @@ def start_relay(processes: Processes, n: int) -> None:
         link = RelayLink.start(
             processes.config.python,
             processes.client.session,
-            processes.lane.express_url,
+            processes.lane.route.url,
             "127.0.0.1",
         )
     except RuntimeError as exc:
@@ -498,7 +498,7 @@ def start_relay(processes: Processes, n: int) -> None:
     if link.record is not None:
         processes.started.append(link.record)
         processes.reaper.watch(link.record)
-    processes.lane.relay = link
+    processes.lane.route.relay = link
 
 
 def fork_ahead(config: DistConfig):

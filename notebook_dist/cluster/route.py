@@ -1,0 +1,192 @@
+"""The express route's socket in the notebook (``cluster/lane.py`` says what the route
+carries): one ROUTER socket, read by whichever thread waits for a reply, never by the
+client's IO thread. It sends a call to the ranks (each directly, or all of them in one
+message through the relay, ``cluster/relay.py``), takes their hellos and replies, and tells
+the relay what the notebook stopped waiting for.
+
+Everything here runs under the route's lock, by the thread that sends or waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+
+from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, SNDMORE, received
+from .express import ExpressError, Records
+from .relay import entries as relay_entries
+
+log = logging.getLogger("notebook_dist")
+
+#: a reply head's bytes (``runtime/lane.py``): ok, wrote, and frames as they are
+_OK, _ONE, _FRAMES = ord("o"), ord("1"), ord("f")
+
+
+class ExpressRoute:
+    """The notebook's end of the express route, for one cluster's client."""
+
+    def __init__(self, client, ip: str, seal):
+        import zmq
+
+        self.client = client
+        self._lock = threading.RLock()
+        socket = client._context.socket(zmq.ROUTER)
+        socket.linger = 0
+        socket.router_mandatory = 1  # a request to an engine not connected fails at once
+        self.url = f"tcp://{ip}:{socket.bind_to_random_port(f'tcp://{ip}')}"
+        self._socket = socket
+        self.ready: set[str] = set()  # engine uuids that said hello on it
+        self.pending: dict[str, object] = {}  # msg_id -> its express Reply
+        self.relay = None  # a RelayLink (cluster/relay.py) the engines join through, if any
+        self.via_relay: set[str] = set()  # engine uuids joined through it
+        self.records = Records.install(client)
+        self.seal = seal
+
+    @property
+    def join_url(self) -> str:
+        """Where an engine joining the route connects: the relay, or this socket."""
+        return self.relay.back_url if self.relay is not None else self.url
+
+    def send(self, base: str, engines: list[str], msg_ids: list[str], request: bytes, result):
+        """Send ``request`` (the same bytes for every rank) to ``engines``; their replies
+        finish ``result``'s (an ExpressResult's) children."""
+        with self._lock:
+            self.pending.update(zip(msg_ids, result._children))
+            send, via = self._socket.send, self.via_relay
+            if via.issuperset(engines):  # (every rank through the relay: no look at each)
+                relayed, direct = engines, []
+            else:
+                relayed = [e for e in engines if e in via]
+                direct = [(e, m) for e, m in zip(engines, msg_ids) if e not in via]
+            for engine, msg_id in direct:
+                try:
+                    send(engine.encode(), SNDMORE)
+                    send(request)
+                except Exception as exc:  # zmq: the engine is not connected (it died)
+                    self._unreached(msg_id, engine, f"not reachable: {exc}")
+            if relayed:  # one message for all of them
+                try:
+                    self._socket.send_multipart(self.relay.request(base, relayed, request))
+                except Exception as exc:  # the relay ended: its ranks rejoin directly
+                    for engine in relayed:
+                        self._unreached(f"{base}-{engine}", engine, f"relay gone: {exc}")
+
+    def given_up(self, engines: list[str]) -> None:
+        """The notebook no longer waits for one reply from each of ``engines`` (their ranks
+        died, or the call was given up on): the relay, if any, stops waiting too."""
+        with self._lock:
+            if self.relay is not None:
+                try:
+                    self._socket.send_multipart(self.relay.given_up(engines))
+                except Exception:  # the relay ended: the next call finds it so
+                    pass
+
+    def check(self) -> None:
+        """Whether the relay still runs (:meth:`_relay_check`), before a call."""
+        with self._lock:
+            self._relay_check()
+
+    def _unreached(self, msg_id: str, engine: str, why: str, wrote: bool = True) -> None:
+        """A call that cannot reach ``engine``, failed; ``wrote``: its output may still come
+        (False: the rank runs on, and its 'idle' is not waited for)."""
+        reply = self.pending.pop(msg_id, None)
+        self.ready.discard(engine)
+        self.via_relay.discard(engine)
+        if reply is not None:
+            reply.finish(error=ExpressError("EngineError", why), wrote=wrote)
+
+    def _relay_check(self) -> None:
+        """A relay that ended: the calls waiting on it fail with a sentence, and its ranks
+        join this socket again at their next call."""
+        relay = self.relay
+        how = relay.gone() if relay is not None else None
+        if how is None:
+            return
+        self.relay = None
+        why = (
+            f"the relay between the notebook and the ranks {how} before this rank's reply "
+            "came; the rank carries on with its variables, but what this call returns is "
+            "lost. The next call reaches the ranks directly."
+        )
+        relayed, self.via_relay = self.via_relay, set()
+        self.ready -= relayed
+        for msg_id, reply in list(self.pending.items()):
+            if reply.engine in relayed:
+                self._unreached(msg_id, reply.engine, why, wrote=False)
+
+    def pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for something, then take all that has come
+        (replies to any waiter, hellos)."""
+        import zmq
+
+        lock = self._lock
+        if not (lock.acquire(timeout=timeout) if timeout > 0 else lock.acquire(False)):
+            return
+        try:
+            sock = self._socket
+            if sock is None or not sock.poll(int(timeout * 1000)):
+                self._relay_check()  # (a relay's end is looked for while nothing comes)
+                return
+            while True:
+                try:
+                    frames = received(sock)
+                except zmq.Again:
+                    return
+                self._take(frames)
+        finally:
+            lock.release()
+
+    def _take(self, frames: list) -> None:
+        """One message: a rank's hello, or a reply, checked against the cluster's key
+        (anything else is dropped)."""
+        if len(frames) < 2:
+            return
+        sender = frames[0].bytes
+        if self.relay is not None and sender == self.relay.ident:
+            for engine, kind, body, extra in relay_entries(self.seal, frames[1:]):
+                if kind is None:  # not reachable from the relay for request ``body``
+                    self._unreached(f"{body}-{engine}", engine, "not reachable (relay)")
+                else:
+                    self._one(engine, kind, body, extra, True)
+            return
+        extra = [f.buffer for f in frames[2:]]
+        opened = self.seal.opened(frames[1].buffer, extra)
+        if opened is None or opened[0] not in (REPLY, HELLO):
+            log.debug("an invalid message on the express route")
+            return
+        self._one(sender.decode(), *opened, extra, False)
+
+    def _one(self, engine: str, kind: bytes, body, extra, relayed: bool) -> None:
+        """One rank's hello or reply, its seal checked (here, or by the relay)."""
+        if kind == HELLO:
+            said = bytes(body).decode()
+            self.ready.add(said)
+            (self.via_relay.add if relayed else self.via_relay.discard)(said)
+            return
+        if kind != REPLY:
+            return
+        # the body: the request's id, then a byte each (ok, wrote, how), then the value
+        reply = self.pending.pop(f"{str(body[:32], 'ascii')}-{engine}", None)
+        if reply is None:  # a call already given up on
+            return
+        rest = body[REPLY_HEAD:]
+        value = [rest, *extra] if body[34] == _FRAMES else pickle.loads(rest)
+        if body[32] == _OK:
+            reply.finish(value, None, body[33] == _ONE)
+        else:
+            reply.finish(None, ExpressError(**value), body[33] == _ONE)
+
+    def outstanding(self, engine: str) -> bool:
+        """Whether an express call to this engine (uuid) waits for its reply."""
+        return any(r.engine == engine for r in list(self.pending.values()))
+
+    def close(self) -> None:
+        """Before the client closes (its context would wait for an open socket)."""
+        with self._lock:
+            socket, self._socket = self._socket, None
+            if socket is not None:
+                socket.close(linger=0)
+            relay, self.relay = self.relay, None
+            if relay is not None:
+                relay.close()

@@ -728,7 +728,9 @@ def test_a_group_that_broke_between_cells_is_rebuilt_before_the_next_one():
             "        failed.append(str(exc))\n\nif nd.rank == 0:\n"
             "    threading.Thread(target=alone).start()\n"
         ).raise_for_errors()
-        mark = c.processes.control_file(0, "broken")
+        from notebook_dist.cluster.recovery import broken_folder
+
+        mark = os.path.join(broken_folder(c.processes), "broken-rank-0")
         assert wait_until(lambda: os.path.exists(mark), 60), "rank 0 never marked its group broken"
         out = io.StringIO()
         r = c.run("t = torch.ones(1)\ndist.all_reduce(t)\n(float(t), kept, len(failed))", out=out)

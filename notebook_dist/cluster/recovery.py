@@ -15,6 +15,8 @@ from typing import Any, TextIO
 from ..errors import ClusterError
 from ..execute import PreparedCell
 from ..phrases import rank_list
+from ..runtime import bootstrap as rt_bootstrap
+from ..runtime import group as rt_group
 from ..runtime import recover as rt_recover
 from . import engines
 from .ranks import remote_message, rendezvous_port
@@ -118,23 +120,26 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
 
 def broken_marks(processes) -> dict[int, str]:
     """Ranks on this machine whose process group broke since it was last made, and why
-    (each rank marks it beside its control files: ``runtime.group``)."""
+    (each rank marks it in a folder of its own: ``runtime.group``)."""
     if not processes.profile_dir:
         return {}
-    try:  # one look at the folder, before each cell: a file per rank only when there is one
-        names = os.listdir(os.path.dirname(processes.control_file(0, "broken")))
-    except OSError:
+    folder = broken_folder(processes)
+    try:  # one look at the folder before each cell: it holds only marks (most often none)
+        names = set(os.listdir(folder))
+    except OSError:  # (not made until a rank marks its group broken)
         return {}
     marks: dict[int, str] = {}
-    if "\0broken-" not in "\0" + "\0".join(names):  # (several files a rank: one look)
-        return marks  # (before most cells)
-    there = set(names)
     for r in range(len(processes.ranks)):
-        path = processes.control_file(r, "broken")
-        if os.path.basename(path) in there and processes.local(r):
+        path = rt_bootstrap.rank_file(folder, "broken", r)
+        if os.path.basename(path) in names and processes.local(r):
             with contextlib.suppress(OSError), open(path) as f:
                 marks[r] = f.read()
     return marks
+
+
+def broken_folder(processes) -> str:
+    """The folder of the ranks' marks of a broken group (``runtime.group``)."""
+    return rt_group.broken_folder(os.path.dirname(processes.control_file(0)))
 
 
 def regain_group(cluster, out: TextIO | None = None) -> None:

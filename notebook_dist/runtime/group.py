@@ -331,18 +331,29 @@ def note_failure(
     return broken
 
 
+def broken_folder(folder: str) -> str:
+    """Where ranks whose group broke say so (:func:`_mark_broken`): a folder of its own beside
+    their control files in ``folder``, so the notebook's look before each cell lists these
+    marks (most often none), not every rank's control files."""
+    return os.path.join(folder, "broken")
+
+
 def _broken_mark() -> str | None:
-    """The file beside the rank's control files that says its group broke: the notebook
+    """The file that says the rank's group broke (in :func:`broken_folder`): the notebook
     looks for it before a cell, so a group that broke between cells (a thread of the user's
     ran into torch's timeout) is made again before the cell runs."""
     control = STATE.extras.get("control_file")
-    return control.replace("release-rank-", "broken-rank-") if control else None
+    if not control:
+        return None
+    folder, name = os.path.split(control)
+    return os.path.join(broken_folder(folder), name.replace("release-rank-", "broken-rank-"))
 
 
 def _mark_broken(why: str) -> None:
     path = _broken_mark()
     if path is not None:
         try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 f.write(why)
         except OSError:  # the cell's own reply still says so

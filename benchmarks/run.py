@@ -77,6 +77,18 @@ TARGETS = [
         2.0,
     ),
     (
+        "relay: empty cell, kernel CPU, 16 ranks through the relay / 2 direct",
+        ("relay", "cell_cpu_s_16_relay_vs_2", "pair_median"),
+        "<=",
+        1.5,
+    ),
+    (
+        "relay: empty cell, wall, 16 ranks through the relay / 2 direct",
+        ("relay", "cell_s_16_relay_vs_2", "pair_median"),
+        "<=",
+        2.0,
+    ),
+    (
         "dispatch: empty cell / view.execute",
         ("dispatch", "cell_vs_view_execute", "pair_median"),
         "<=",

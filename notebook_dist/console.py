@@ -94,11 +94,7 @@ class Console:
             return "c" if kind == "pdb" else "\x04"
 
     def send(self, rank: int, asking: dict, line: str) -> None:
-        from .cluster import engines
-
-        processes = self.cluster.processes
-        path = processes.control_file(rank, "answer")
-        engines.write_on_host(processes.host_launcher(rank), path, f"{asking['id']}\t{line}")
+        self.cluster.tell_rank(rank, "answer", f"{asking['id']}\t{line}")
         self.answered[rank] = asking["id"]
         if asking["kind"] == "pdb" and line.strip() in QUIT:
             self.quit_by = rank

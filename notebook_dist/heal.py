@@ -77,7 +77,7 @@ def heal(cluster, copy: list[str] | tuple[str, ...] = (), source: int | None = N
     source = survivors[0] if source is None else source
     healed = Healed(sorted(dead), dead, source)
     clock = _Phases(healed.phases)
-    _stand_in(cluster, healed.ranks, clock)
+    cluster.stand_in_for(healed.ranks, clock)
     # the new ranks replay alone: nothing may make the real group before they are done
     cluster.group_lost, cluster.replaying_alone = None, True
     try:
@@ -132,23 +132,6 @@ def _check(cluster, copy, source) -> tuple[dict[int, str], list[int]]:
     if source is not None and source not in survivors:
         raise HealError(f"--from {source}: copy from a surviving rank ({rank_list(survivors)})")
     return dead, survivors
-
-
-def _stand_in(cluster, ranks: list[int], clock) -> None:
-    """A fresh engine for each of ``ranks``, joined alone as that rank."""
-    from .cluster import ranks as rank_setup
-    from .cluster.spares import stand_in
-
-    processes = cluster.processes
-    spares = processes.pool.take(len(ranks))
-    clock("engines")
-    for r, spare in zip(ranks, spares):
-        stand_in(processes, r, spare)
-    infos = rank_setup.join_alone(processes, cluster.plan, cluster.config, ranks)
-    clock("join")
-    for r, info in zip(ranks, infos):
-        cluster.ranks[r] = info
-    processes.ranks_joined(cluster.ranks)
 
 
 def _replay_alone(cluster, ranks: list[int]) -> tuple[int, str | None]:

@@ -300,6 +300,8 @@ class DistCluster:
     fault_report = recovery.fault_report
     restarted = recovery.restarted
     replay = recovery.replay
+    stand_in_for = recovery.stand_in_for
+    tell_rank = recovery.tell_rank
 
     # ---- display ----------------------------------------------------------------------------
 

@@ -75,6 +75,13 @@ def release_collectives(cluster, ranks: list[int], token: str) -> None:
                 pool.submit(engines.write_on_host, el, path, token)
 
 
+def tell_rank(cluster, rank: int, kind: str, text: str) -> None:
+    """``text`` in the rank's control file of ``kind`` (``answer``: a line it asked for),
+    which its agent watches: here, or written on its host over ssh."""
+    processes = cluster.processes
+    engines.write_on_host(processes.host_launcher(rank), processes.control_file(rank, kind), text)
+
+
 #: how long ranks wait for each other to meet when the group is rebuilt (they are all
 #: alive and idle by then: a rank that is not there in this time is not coming)
 REBUILD_RENDEZVOUS_S = 30.0
@@ -265,6 +272,27 @@ def _restarted_in_place(cluster):
     processes.ranks_joined(cluster.ranks)
     cluster.group_lost, cluster.last_watch, cluster.healed = None, None, {}
     return cluster
+
+
+def stand_in_for(cluster, ranks: list[int], clock=None) -> None:
+    """A fresh engine from the warm pool for each of ``ranks`` (dead ones), joined alone as
+    that rank, the survivors untouched (the first step of ``notebook_dist.heal``);
+    ``clock(phase)`` is told when the engines are taken and when they have joined."""
+    from . import ranks as rank_setup
+    from .spares import stand_in
+
+    processes = cluster.processes
+    spares = processes.pool.take(len(ranks))
+    if clock is not None:
+        clock("engines")
+    for r, spare in zip(ranks, spares):
+        stand_in(processes, r, spare)
+    infos = rank_setup.join_alone(processes, cluster.plan, cluster.config, ranks)
+    if clock is not None:
+        clock("join")
+    for r, info in zip(ranks, infos):
+        cluster.ranks[r] = info
+    processes.ranks_joined(cluster.ranks)
 
 
 def replay(

@@ -283,6 +283,37 @@ def lane_connections():
 """
 
 
+CONTROLLER_CONNECTION = """
+def controller_connection():
+    import socket
+
+    from ipyparallel.engine.app import IPEngine
+    from notebook_dist.runtime import recover
+
+    port = IPEngine.instance().connection_info["registration"]
+    s = socket.create_connection(("127.0.0.1", port))  # (made after the group, as zmq would)
+    try:
+        released = set(recover.gloo_socket_fds())
+        return {"controller": s.fileno() in released, "gloo": len(released)}
+    finally:
+        s.close()
+"""
+
+
+def test_a_release_leaves_the_engines_channels_to_the_controller_alone():
+    """A connection to the controller made after the group (zmq connecting a channel
+    again) is never taken for Gloo's, which a release shuts down; Gloo's still are."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    made: dict = {"__name__": "__main__"}  # (pickled by value: the ranks cannot import tests)
+    exec(CONTROLLER_CONNECTION, made)
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
+        seen = dict(c.apply(made["controller_connection"]))
+        assert all(not v["controller"] and v["gloo"] > 0 for v in seen.values()), seen
+        assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
+
+
 def test_a_release_leaves_the_lane_alone():
     """A release shuts down the rank's Gloo connections, never its connections to the lane
     (made after the group, so not among the sockets it had before): the cell after a

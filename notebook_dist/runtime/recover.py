@@ -63,10 +63,32 @@ def remember_preexisting_sockets() -> None:
     STATE.extras["preexisting_sockets"] = set(_socket_inodes())
 
 
+def controller_ports() -> set[int]:
+    """The ports of the ipyparallel controller this engine's channels connect to (its
+    registration, heartbeat, shell, control and IOPub), empty outside an engine."""
+    try:
+        from ipyparallel.engine.app import IPEngine
+
+        if not IPEngine.initialized():
+            return set()
+        info = IPEngine.instance().connection_info
+    except Exception:  # (not an ipyparallel engine, or one without its connection info)
+        return set()
+    ports: set[int] = set()
+    for value in info.values():
+        for port in value if isinstance(value, list) else (value,):
+            if isinstance(port, int) and not isinstance(port, bool):
+                ports.add(port)
+    return ports
+
+
 def gloo_socket_fds() -> list[int]:
+    """This rank's Gloo connections, which a release shuts: its established TCP sockets
+    made since the group was, but for the store's, the lane's and the controller's."""
     keep = STATE.extras.get("preexisting_sockets", set())
     master_port = int(os.environ.get("MASTER_PORT", "0"))
     tcp = _tcp_table()
+    controller = controller_ports()
     fds = []
     for inode, fd in _socket_inodes().items():
         if inode in keep or inode not in tcp:
@@ -78,6 +100,8 @@ def gloo_socket_fds() -> list[int]:
             continue  # the rendezvous store
         if remote_port in STATE.extras.get("lane_ports", ()):
             continue  # the notebook's lane to this rank (runtime/lane.py)
+        if remote_port in controller:
+            continue  # the engine's own channels, even one zmq made again after the group
         fds.append(fd)
     return fds
 

@@ -12,8 +12,8 @@ the usual IOPub route, an engine that dies with a request outstanding failing it
 ipyparallel's.
 
 Beside it, the **express route** carries the cells (:meth:`Lane.express`): a ROUTER socket
-of its own (``cluster/route.py``) that the thread waiting for the replies reads itself, so a cell's request and
-its replies never pass through another thread of the notebook. A request is one pickled
+of its own (``cluster/route.py``) that the thread waiting for the replies reads itself, so
+a cell's request and its replies never pass through another thread of the notebook. A request is one pickled
 call by name, signed, the same bytes for every rank; a reply is the rank's packed frames
 and whether it wrote anything, so the notebook waits for a rank's 'idle' only after output
 (``runtime/lane.py`` says what the rank does). The output itself, the agents' snapshots and

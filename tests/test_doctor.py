@@ -314,6 +314,61 @@ def test_exception_on_one_rank_ends_the_cell_promptly(cluster):
     assert_recovered(cluster)
 
 
+def test_a_release_leaves_the_users_own_connections_alone(cluster):
+    """A release shuts the connections of the rank's process groups, never one the user's
+    code made after the group (a tracker's, a download's, a database's): it still talks
+    afterwards. A rank stuck in a group made with new_group() is released all the same:
+    that group's connections are among its groups'."""
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))  # an echo server, here in the notebook
+
+    def echo(conn):
+        with conn:
+            while data := conn.recv(64):
+                conn.sendall(data)
+
+    def serve():
+        for _ in range(2):
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    port = server.getsockname()[1]
+    try:
+        cluster.run(f"import socket\nuser = socket.create_connection(('127.0.0.1', {port}))")
+        r = cluster.run(
+            "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)"
+        )
+        assert list(r.errors) == [1] and r.released == [0]
+        talk = cluster.run("user.sendall(b'still')\nuser.recv(5, socket.MSG_WAITALL)")
+        assert talk.errors == {} and dict(talk.values) == {0: b"still", 1: b"still"}, talk.errors
+        sub = "sub = dist.new_group([0, 1])\nif nd.rank == 1:\n    raise ValueError\n"
+        r = cluster.run(sub + "dist.all_reduce(torch.ones(1), group=sub)")
+        assert list(r.errors) == [1] and r.released == [0]
+        assert_recovered(cluster)
+    finally:
+        cluster.run("user.close()")
+        server.close()
+
+
+def test_a_release_frees_a_rank_when_gloo_connects_lazily():
+    """With TORCH_GLOO_LAZY_INIT, Gloo connects a group's pairs at its first collective,
+    not as the group is made: a release then shuts the connections made since the group
+    (the rule before groups' sockets were gathered), and still frees the waiting rank."""
+    from notebook_dist.config import DistConfig
+
+    config = DistConfig(spare_engines=0, extra_env={"TORCH_GLOO_LAZY_INIT": "1"})
+    with DistCluster(n=2, config=config) as c:
+        c.run("dist.all_reduce(torch.ones(1))").raise_for_errors()  # (the pairs connect)
+        r = c.run("t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)")
+        assert list(r.errors) == [1] and r.released == [0]
+        assert_recovered(c)
+
+
 def test_a_rank_whose_collective_fails_because_a_peer_was_released_counts_as_released():
     """Rank 2 raises; rank 1 waits in all_reduce and is released; rank 0 reaches the same
     all_reduce only later, when rank 1's connections are already closed, so its collective

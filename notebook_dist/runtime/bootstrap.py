@@ -125,6 +125,7 @@ def _join_group(
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
     group.install_guards(dist)
+    recover.track_group_sockets(dist.distributed_c10d)
     from . import debugger, launch, streams
 
     launch.install()

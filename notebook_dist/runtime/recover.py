@@ -4,9 +4,10 @@ SIGINT cannot interrupt a rank waiting in Gloo (the KeyboardInterrupt lands only
 the collective returns), and ``pg.abort()``/``destroy_process_group()`` from another
 thread do not unblock it. Shutting down the rank's own Gloo pair sockets does: the
 blocked call raises ``RuntimeError: ... Connection closed by peer`` at once, on this rank
-and on the peers it was waiting with. The rendezvous store's connection and
-ipyparallel's sockets are left alone (sockets that existed before the process group
-was created, or that talk to MASTER_PORT), as is the notebook's lane (its ports). Then every rank calls :func:`reinit`.
+and on the peers it was waiting with. Those are the sockets made while torch made a
+process group (:func:`track_group_sockets`); every other connection of the rank is left
+alone: the rendezvous store's, ipyparallel's, the notebook's lane, and the user's own.
+Then every rank calls :func:`reinit`.
 """
 
 from __future__ import annotations
@@ -59,8 +60,42 @@ def _tcp_table() -> dict[int, tuple[int, int, str]]:
 
 
 def remember_preexisting_sockets() -> None:
-    """Called before the process group exists: these sockets are never ours to close."""
+    """Called before the default group is made (again): the sockets open now are never a
+    release's to shut, and the groups' sockets (:func:`track_group_sockets`) are gathered
+    anew (a rebuild voids every group made before it)."""
     STATE.extras["preexisting_sockets"] = set(_socket_inodes())
+    if "group_sockets" in STATE.extras:  # (gathered: track_group_sockets is in place)
+        STATE.extras["group_sockets"] = set()
+
+
+def track_group_sockets(c10d) -> None:
+    """Gather the sockets of every process group torch makes: the default group,
+    ``new_group``'s and ``split_group``'s are all made by ``_new_process_group_helper``,
+    and the sockets that appear while it runs are that group's (Gloo's pairs). A release
+    shuts those only: a connection the user's code made after the group (a tracker's,
+    a download's, a database's) is left alone."""
+    make = getattr(c10d, "_new_process_group_helper", None)
+    if make is None or getattr(make, "_notebook_dist_tracked", False):
+        return
+
+    def made_with_sockets(*args, **kwargs):
+        before = set(_socket_inodes())
+        try:
+            return make(*args, **kwargs)
+        finally:
+            found = set(_socket_inodes()) - before
+            STATE.extras.setdefault("group_sockets", set()).update(found)
+
+    made_with_sockets._notebook_dist_tracked = True
+    made_with_sockets.__wrapped__ = make
+    c10d._new_process_group_helper = made_with_sockets
+    STATE.extras.setdefault("group_sockets", set())
+
+
+def _gloo_connects_lazily() -> bool:
+    """``TORCH_GLOO_LAZY_INIT``: Gloo connects a group's pairs at its first collective, not
+    as the group is made (so they are not among :func:`track_group_sockets`')."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() in ("1", "true", "yes", "y")
 
 
 def controller_ports() -> set[int]:
@@ -84,14 +119,22 @@ def controller_ports() -> set[int]:
 
 def gloo_socket_fds() -> list[int]:
     """This rank's Gloo connections, which a release shuts: its established TCP sockets
-    made since the group was, but for the store's, the lane's and the controller's."""
-    keep = STATE.extras.get("preexisting_sockets", set())
+    made as its process groups were (:func:`track_group_sockets`), but for the store's, the
+    lane's and the controller's. Where the groups' sockets are not known (Gloo connecting
+    lazily, or torch without the function that makes groups), those made since the
+    default group was."""
+    made = STATE.extras.get("group_sockets")
+    if made is not None and not _gloo_connects_lazily():
+        chosen = made.__contains__
+    else:
+        keep = STATE.extras.get("preexisting_sockets", set())
+        chosen = lambda inode: inode not in keep  # noqa: E731
     master_port = int(os.environ.get("MASTER_PORT", "0"))
     tcp = _tcp_table()
     controller = controller_ports()
     fds = []
     for inode, fd in _socket_inodes().items():
-        if inode in keep or inode not in tcp:
+        if inode not in tcp or not chosen(inode):
             continue
         local_port, remote_port, state = tcp[inode]
         if state != "01":  # ESTABLISHED only; listening sockets are left alone

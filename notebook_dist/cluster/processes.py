@@ -22,6 +22,7 @@ from ..errors import ClusterError, PreflightError
 from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
+from ..runtime.state import rank_file
 from ..signals import Started
 from . import engines
 from .launchers import Launcher
@@ -197,12 +198,12 @@ class Processes:
         return remote[rank] if rank < len(remote) else None
 
     def control_file(self, rank: int, kind: str = "release", pid: int | None = None) -> str:
-        """A rank's control file (``runtime.bootstrap.rank_file``)."""
+        """A rank's control file (``runtime.state.rank_file``)."""
         folder = os.path.join(self.profile_dir, "control")
         if folder not in _MADE:  # (asked for every rank before each cell)
             os.makedirs(folder, exist_ok=True)
             _MADE.add(folder)
-        return rt_bootstrap.rank_file(folder, kind, rank, pid)
+        return rank_file(folder, kind, rank, pid)
 
     # ---- watching ---------------------------------------------------------------------
 

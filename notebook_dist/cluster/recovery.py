@@ -15,9 +15,9 @@ from typing import Any, TextIO
 from ..errors import ClusterError
 from ..execute import PreparedCell
 from ..phrases import rank_list
-from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import group as rt_group
 from ..runtime import recover as rt_recover
+from ..runtime.state import rank_file
 from . import engines
 from .ranks import remote_message, rendezvous_port
 
@@ -137,7 +137,7 @@ def broken_marks(processes) -> dict[int, str]:
         return {}
     marks: dict[int, str] = {}
     for r in range(len(processes.ranks)):
-        path = rt_bootstrap.rank_file(folder, "broken", r)
+        path = rank_file(folder, "broken", r)
         if os.path.basename(path) in names and processes.local(r):
             with contextlib.suppress(OSError), open(path) as f:
                 marks[r] = f.read()

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .devices import gpu_state
-from .state import STATE
+from .state import STATE, rank_file
 from .tracker import CELL_PREFIX, TRACKER, is_tool_frame
 
 TICK_S = 0.1
@@ -249,7 +249,7 @@ class Agent(threading.Thread):
         self.control_file = control_file
         # the notebook's answers to what this rank asks (runtime.debugger.ask)
         self.answer_file = (
-            control_file.replace("release-rank-", "answer-rank-") if control_file else None
+            rank_file(os.path.dirname(control_file), "answer", STATE.rank) if control_file else None
         )
         self.interval = interval
         self._control_mtime = self._mtime()

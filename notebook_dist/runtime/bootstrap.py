@@ -12,7 +12,7 @@ import sys
 import time
 
 from . import group
-from .state import STATE, user_namespace
+from .state import STATE, rank_file, user_namespace
 
 
 def present_as_script() -> None:
@@ -171,14 +171,6 @@ def flight_recorder_env(entries: int, torch_version, environ=None) -> None:
     environ[names[0]] = str(entries)
     if torch_version < "2.8":  # torch's TorchVersion compares with a version string
         environ[names[1]] = str(entries)
-
-
-def rank_file(folder: str, kind: str, rank: int, pid: int | None = None) -> str:
-    """A rank's control file in ``folder``, by kind (``release``, ``answer``); with
-    ``pid``, one that only that process of the rank writes (``fault``, ``record``), so a
-    process that was the rank before cannot write over its successor's. The notebook
-    and the rank both name the files with this."""
-    return os.path.join(folder, f"{kind}-rank-{rank}" + (f"-{pid}" if pid else ""))
 
 
 def _enable_fault_report(path: str) -> None:

@@ -18,7 +18,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from .state import STATE
+from .state import STATE, rank_file
 
 #: torch's own init_process_group and destroy_process_group, before the guards
 _originals: dict[str, Any] = {}
@@ -345,8 +345,7 @@ def _broken_mark() -> str | None:
     control = STATE.extras.get("control_file")
     if not control:
         return None
-    folder, name = os.path.split(control)
-    return os.path.join(broken_folder(folder), name.replace("release-rank-", "broken-rank-"))
+    return rank_file(broken_folder(os.path.dirname(control)), "broken", STATE.rank)
 
 
 def _mark_broken(why: str) -> None:

@@ -55,6 +55,14 @@ class RankState:
 STATE = RankState()
 
 
+def rank_file(folder: str, kind: str, rank: int, pid: int | None = None) -> str:
+    """A rank's control file in ``folder``, by kind (``release``, ``answer``, ``broken``);
+    with ``pid``, one that only that process of the rank writes (``fault``, ``record``), so
+    a process that was the rank before cannot write over its successor's. The notebook
+    and the rank both name the files with this."""
+    return os.path.join(folder, f"{kind}-rank-{rank}" + (f"-{pid}" if pid else ""))
+
+
 def current() -> RankState:
     """The rank's state; outside a notebook_dist engine it reads torchrun's environment."""
     if STATE.bootstrapped:

@@ -5,6 +5,8 @@ with the cluster's key is dropped; an engine that cannot join is served through 
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
@@ -285,6 +287,7 @@ def lane_connections():
 
 CONTROLLER_CONNECTION = """
 def controller_connection():
+    import os
     import socket
 
     from ipyparallel.engine.app import IPEngine
@@ -292,17 +295,23 @@ def controller_connection():
 
     port = IPEngine.instance().connection_info["registration"]
     s = socket.create_connection(("127.0.0.1", port))  # (made after the group, as zmq would)
-    try:
-        released = set(recover.gloo_socket_fds())
-        return {"controller": s.fileno() in released, "gloo": len(released)}
+    seen = {}
+    try:  # by each rule: the groups' sockets, and (Gloo connecting lazily) all made since
+        for lazily in ("0", "1"):
+            os.environ["TORCH_GLOO_LAZY_INIT"] = lazily
+            released = set(recover.gloo_socket_fds())
+            seen[lazily] = {"controller": s.fileno() in released, "gloo": len(released)}
+        return seen
     finally:
+        os.environ.pop("TORCH_GLOO_LAZY_INIT")
         s.close()
 """
 
 
 def test_a_release_leaves_the_engines_channels_to_the_controller_alone():
     """A connection to the controller made after the group (zmq connecting a channel
-    again) is never taken for Gloo's, which a release shuts down; Gloo's still are."""
+    again) is never taken for Gloo's, which a release shuts down, by either rule (the
+    groups' sockets; all made since the group, when Gloo connects lazily); Gloo's are."""
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
 
@@ -310,8 +319,45 @@ def test_a_release_leaves_the_engines_channels_to_the_controller_alone():
     exec(CONTROLLER_CONNECTION, made)
     with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
         seen = dict(c.apply(made["controller_connection"]))
-        assert all(not v["controller"] and v["gloo"] > 0 for v in seen.values()), seen
+        rules = [rule for rank in seen.values() for rule in rank.values()]
+        assert len(rules) == 4 and all(not v["controller"] and v["gloo"] > 0 for v in rules), seen
         assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
+
+
+def test_a_sockets_remote_address_is_read_as_proc_writes_it():
+    """The table of TCP sockets a release reads (/proc/net/tcp and tcp6) gives each
+    socket's remote address as an IP, an IPv4 one mapped into IPv6 as IPv4: the
+    controller's channels are told from a Gloo peer by address and port."""
+    import socket
+
+    from notebook_dist.runtime import recover
+
+    def remote_of(family, host):
+        server = socket.create_server((host, 0), family=family)
+        client = socket.create_connection(server.getsockname()[:2])
+        try:
+            inode = os.fstat(client.fileno()).st_ino
+            table = recover._tcp_table()
+            assert table[inode][1] == server.getsockname()[1]
+            return recover._address(table[inode][3])
+        finally:
+            client.close()
+            server.close()
+
+    assert remote_of(socket.AF_INET, "127.0.0.1") == "127.0.0.1"
+    if socket.has_ipv6:
+        try:
+            assert remote_of(socket.AF_INET6, "::1") == "::1"
+        except OSError:  # (no IPv6 loopback here)
+            pass
+    # an IPv4 address mapped into IPv6, as tcp6 writes it on this machine
+    mapped = bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1])
+    words = (
+        mapped
+        if sys.byteorder == "big"
+        else b"".join(mapped[i : i + 4][::-1] for i in range(0, 16, 4))
+    )
+    assert recover._address(words.hex().upper()) == "127.0.0.1"
 
 
 def test_a_release_leaves_the_lane_alone():

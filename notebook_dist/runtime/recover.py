@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -39,8 +40,9 @@ def _socket_inodes() -> dict[int, int]:
     return out
 
 
-def _tcp_table() -> dict[int, tuple[int, int, str]]:
-    """inode -> (local port, remote port, state) for TCP sockets (v4 and v6)."""
+def _tcp_table() -> dict[int, tuple[int, int, str, str]]:
+    """inode -> (local port, remote port, state, remote address as /proc writes it) for TCP
+    sockets (v4 and v6); :func:`_address` reads the address."""
     table = {}
     for path in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -49,14 +51,23 @@ def _tcp_table() -> dict[int, tuple[int, int, str]]:
                 for line in f:
                     parts = line.split()
                     local, remote, state, inode = parts[1], parts[2], parts[3], int(parts[9])
-                    table[inode] = (
-                        int(local.rsplit(":", 1)[1], 16),
-                        int(remote.rsplit(":", 1)[1], 16),
-                        state,
-                    )
+                    address, _, port = remote.rpartition(":")
+                    table[inode] = (int(local.rsplit(":", 1)[1], 16), int(port, 16), state, address)
         except OSError:
             continue
     return table
+
+
+def _address(words: str) -> str:
+    """An address as /proc/net/tcp writes it (32-bit words in hex, each in this machine's
+    byte order), as ``ipaddress`` writes it; an IPv4 one mapped into IPv6 as IPv4."""
+    import ipaddress
+
+    raw = bytes.fromhex(words)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw)
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
 
 
 def remember_preexisting_sockets() -> None:
@@ -98,23 +109,35 @@ def _gloo_connects_lazily() -> bool:
     return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() in ("1", "true", "yes", "y")
 
 
-def controller_ports() -> set[int]:
+def controller_endpoints() -> tuple[set[int], set[str] | None]:
     """The ports of the ipyparallel controller this engine's channels connect to (its
-    registration, heartbeat, shell, control and IOPub), empty outside an engine."""
+    registration, heartbeat, shell, control and IOPub), and its addresses where the
+    engine's connection info names them as IPs (None: not known, any address counts);
+    no ports outside an engine."""
     try:
         from ipyparallel.engine.app import IPEngine
 
         if not IPEngine.initialized():
-            return set()
+            return set(), None
         info = IPEngine.instance().connection_info
     except Exception:  # (not an ipyparallel engine, or one without its connection info)
-        return set()
+        return set(), None
+    import ipaddress
+
     ports: set[int] = set()
     for value in info.values():
         for port in value if isinstance(value, list) else (value,):
             if isinstance(port, int) and not isinstance(port, bool):
                 ports.add(port)
-    return ports
+    addresses = set()
+    for host in (str(info.get("interface", "")).partition("://")[2], info.get("location")):
+        try:
+            ip = ipaddress.ip_address(str(host).strip("[]"))
+        except ValueError:  # a name, or none: the engine connected to what it resolves to
+            continue
+        if not ip.is_unspecified:  # ("*" or 0.0.0.0: the engine connected to its location)
+            addresses.add(str(ip))
+    return ports, addresses or None
 
 
 def gloo_socket_fds() -> list[int]:
@@ -131,19 +154,21 @@ def gloo_socket_fds() -> list[int]:
         chosen = lambda inode: inode not in keep  # noqa: E731
     master_port = int(os.environ.get("MASTER_PORT", "0"))
     tcp = _tcp_table()
-    controller = controller_ports()
+    controller, controller_at = controller_endpoints()
     fds = []
     for inode, fd in _socket_inodes().items():
         if inode not in tcp or not chosen(inode):
             continue
-        local_port, remote_port, state = tcp[inode]
+        local_port, remote_port, state, remote = tcp[inode]
         if state != "01":  # ESTABLISHED only; listening sockets are left alone
             continue
         if master_port in (local_port, remote_port):
             continue  # the rendezvous store
         if remote_port in STATE.extras.get("lane_ports", ()):
             continue  # the notebook's lane to this rank (runtime/lane.py)
-        if remote_port in controller:
+        if remote_port in controller and (
+            controller_at is None or _address(remote) in controller_at
+        ):
             continue  # the engine's own channels, even one zmq made again after the group
         fds.append(fd)
     return fds

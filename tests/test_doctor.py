@@ -355,6 +355,41 @@ def test_a_release_leaves_the_users_own_connections_alone(cluster):
         server.close()
 
 
+FSDP2_MODEL = """
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+fully_shard(model, mesh=init_device_mesh("cpu", (nd.world_size,)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def step(k):
+    torch.manual_seed(10 * k + nd.rank)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+step(0)
+"""
+
+FULL_PARAMS = "[p.full_tensor() for p in model.parameters()]"
+
+
+def test_an_fsdp2_model_trains_on_after_a_release(cluster):
+    """fully_shard keeps the group it shards over: after a release rebuilt the default
+    group, the model holds the new one and its next step is the step it would have taken
+    without the release (the same seeds, the same parameters)."""
+    cluster.run(FSDP2_MODEL).raise_for_errors()
+    r = cluster.run("t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)")
+    assert list(r.errors) == [1] and r.released == [0]
+    cluster.run("step(1)").raise_for_errors()
+    released = cluster.run(FULL_PARAMS).values[0]
+    cluster.run(FSDP2_MODEL + "step(1)").raise_for_errors()  # the same, without a release
+    kept = cluster.run(FULL_PARAMS).values[0]
+    assert all(torch.equal(a, b) for a, b in zip(released, kept, strict=True))
+    assert_recovered(cluster)
+
+
 def test_a_release_frees_a_rank_when_gloo_connects_lazily():
     """With TORCH_GLOO_LAZY_INIT, Gloo connects a group's pairs at its first collective,
     not as the group is made: a release then shuts the connections made since the group

@@ -15,10 +15,11 @@ import re
 import socket
 import sys
 import traceback
+import types
 from datetime import timedelta
 from typing import Any
 
-from .state import STATE, rank_file
+from .state import STATE, rank_file, user_namespace
 
 #: torch's own init_process_group and destroy_process_group, before the guards
 _originals: dict[str, Any] = {}
@@ -180,7 +181,43 @@ def rebind_ddp(old) -> int:
     for m in found:
         m.process_group = default_group()
         m.__setstate__(m.__getstate__())  # what unpickling does: a reducer on the new group
-    return len(found)
+    return len(found) + rebind_holders(old)
+
+
+def rebind_holders(old) -> int:
+    """Everything else that held the default group ``old`` (destroyed, made again) as an
+    attribute, or as a variable of the cells, holds the new one: FSDP2's mesh info
+    (``fully_shard`` keeps the group it shards over), an object of the user's. A list or a
+    tuple that holds it (torch's own books) is left as it is. Returns how many were."""
+    import gc
+
+    new = default_group()
+    if old is None or new is None or new is old:
+        return 0
+    namespace = user_namespace()
+    rebound = 0
+    for holder in gc.get_referrers(old):
+        if holder is namespace:
+            names = [k for k, v in holder.items() if v is old]
+            holder.update(dict.fromkeys(names, new))
+            rebound += len(names)
+        elif not isinstance(holder, (dict, list, tuple, type, types.FrameType, types.CellType)):
+            names = [k for k, v in _attributes(holder) if v is old]
+            for name in names:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(holder, name, new)
+                    rebound += 1
+    return rebound
+
+
+def _attributes(obj) -> list[tuple[str, Any]]:
+    """An object's attributes, from its ``__dict__`` and its classes' ``__slots__``."""
+    out = list(getattr(obj, "__dict__", {}).items())
+    for cls in type(obj).__mro__:
+        for name in cls.__dict__.get("__slots__", ()):
+            if isinstance(name, str) and hasattr(obj, name):
+                out.append((name, getattr(obj, name)))
+    return out
 
 
 def destroy_default_group() -> None:

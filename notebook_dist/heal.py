@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import ClusterError, UsageMistake
-from .phrases import rank_list
+from .phrases import groups_gone, rank_list
 
 
 class HealError(UsageMistake, RuntimeError):
@@ -40,6 +40,8 @@ class Healed:
     replay_stopped: str | None = None  # where and why the replay stopped early
     copied: list[str] = field(default_factory=list)
     took_s: float = 0.0
+    #: groups besides the default one that the rebuild voided (new_group()'s)
+    groups_voided: int = 0
     #: seconds per phase: engines (from the pool or started), join (alone), replay,
     #: group (made again over every rank), copy
     phases: dict[str, float] = field(default_factory=dict)
@@ -62,7 +64,8 @@ class Healed:
             said.append(f"Copied {', '.join(self.copied)} from rank {self.source}.")
         elif self.replay_stopped:
             said.append("Copy what the rest would have made with --copy NAMES.")
-        said.append("Process groups you made with new_group() must be made again.")
+        if self.groups_voided:
+            said.append(groups_gone(self.groups_voided))
         return " ".join(said)
 
 
@@ -86,6 +89,7 @@ def heal(cluster, copy: list[str] | tuple[str, ...] = (), source: int | None = N
         cluster.replaying_alone = False
     clock("replay")
     cluster.rebuild_process_group()
+    healed.groups_voided = cluster.groups_voided
     clock("group")
     if copy:
         blob = cluster.apply(rt_heal.pack, list(copy), ranks=[source])[source]

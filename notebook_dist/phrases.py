@@ -25,6 +25,19 @@ def _runs(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
+def groups_gone(n: int) -> str:
+    """What a rebuild of the default group cost the cells: the other groups it voided ("" when
+    there were none), a sentence."""
+    if not n:
+        return ""
+    one = n == 1
+    return (
+        f"{n} process group{'' if one else 's'} made besides the default one (with new_group(), "
+        f"or by a device mesh of 2 or more dimensions) {'is' if one else 'are'} gone: make "
+        f"{'it' if one else 'them'} again."
+    )
+
+
 def _scaled(n: float) -> tuple[float, str]:
     for unit, size in _UNITS:
         if n >= size:

@@ -347,8 +347,18 @@ def test_a_release_leaves_the_users_own_connections_alone(cluster):
         talk = cluster.run("user.sendall(b'still')\nuser.recv(5, socket.MSG_WAITALL)")
         assert talk.errors == {} and dict(talk.values) == {0: b"still", 1: b"still"}, talk.errors
         sub = "sub = dist.new_group([0, 1])\nif nd.rank == 1:\n    raise ValueError\n"
-        r = cluster.run(sub + "dist.all_reduce(torch.ones(1), group=sub)")
+        out = io.StringIO()  # (the release before voided every group made earlier)
+        r = cluster.run(sub + "dist.all_reduce(torch.ones(1), group=sub)", out=out)
         assert list(r.errors) == [1] and r.released == [0]
+        assert "was rebuilt (" in out.getvalue() and (
+            "1 process group made besides the default one (with new_group(), or by a device "
+            "mesh of 2 or more dimensions) is gone: make it again." in out.getvalue()
+        ), out.getvalue()
+        out = io.StringIO()  # no group besides the default one: nothing said of them
+        r = cluster.run(
+            "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)", out=out
+        )
+        assert r.released == [0] and "gone: make" not in out.getvalue(), out.getvalue()
         assert_recovered(cluster)
     finally:
         cluster.run("user.close()")

@@ -93,9 +93,11 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
     A rebuild that fails on some rank (its port taken meanwhile, say) is tried again on a
     fresh port. Raises :class:`ClusterError` saying what each rank ran into, and naming the
     ranks whose CUDA context cannot be used any more (only fresh engines can have their GPU
-    again); until a rebuild succeeds, ``cluster.group_lost`` says why there is no group."""
+    again); until a rebuild succeeds, ``cluster.group_lost`` says why there is no group.
+    ``cluster.groups_voided``: how many other groups (``new_group()``'s) it voided."""
     t0 = time.perf_counter()
     failed: dict[int, str] = {}
+    voided = 0  # the other groups a rank had (a try that failed may have voided them)
     for attempt in range(1, attempts + 1):
         try:
             port = rendezvous_port(cluster.processes, cluster.plan)
@@ -108,6 +110,7 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
             why = str(exc) if isinstance(exc, ClusterError) else remote_message(exc)
             cluster.group_lost = f"rebuilding it failed {attempts} times ({why})"
             raise ClusterError(why) from None
+        voided = max([voided, *((info.get("groups_lost") or 0) for info in done.values())])
         broken = {r: info["cuda_unusable"] for r, info in done.items() if info.get("cuda_unusable")}
         if broken:
             said = "; ".join(f"rank {r}: {why}" for r, why in sorted(broken.items()))
@@ -119,6 +122,7 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
         failed = {r: info["error"] for r, info in done.items() if info.get("error")}
         if not failed:
             cluster.group_lost = None
+            cluster.groups_voided = voided
             return time.perf_counter() - t0
     said = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
     cluster.group_lost = f"rebuilding it failed {attempts} times ({said})"

@@ -162,6 +162,18 @@ def default_group():
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
+def other_groups() -> int:
+    """How many process groups there are besides the default one (``new_group()``'s, a
+    device mesh's of 2 or more dimensions): a rebuild of the default group voids them."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    with contextlib.suppress(Exception):  # (torch's books, as torch 2.x keeps them)
+        return max(0, len(dist.distributed_c10d._world.pg_map) - 1)
+    return 0
+
+
 def rebind_ddp(old) -> int:
     """DDP modules that used the default group ``old`` (destroyed, made again) use the new
     one: their reducer is built anew, as when a DDP module is unpickled, so the survivors'

@@ -337,6 +337,7 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 if broken:
                     return {"rank": STATE.rank, "cuda_unusable": broken}
             old = group.default_group()
+            voided = group.other_groups()
             group.destroy_default_group()
             from .tracker import forget_groups
 
@@ -360,4 +361,5 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
         return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}
     STATE.group_broken = None
     group.clear_broken_mark()
-    return {"rank": STATE.rank, "reinit_s": time.perf_counter() - t0, "rebound": rebound}
+    took = time.perf_counter() - t0
+    return {"rank": STATE.rank, "reinit_s": took, "rebound": rebound, "groups_lost": voided}

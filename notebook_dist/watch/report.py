@@ -10,7 +10,7 @@ from typing import TextIO
 
 from ..doctor import Diagnosis, format_stacks
 from ..doctor.words import call_text
-from ..phrases import rank_list
+from ..phrases import groups_gone, rank_list
 
 
 class Reporter:
@@ -40,15 +40,16 @@ class Reporter:
             f"{format_stacks(snaps, self.cell_file)}\n\n"
         )
 
-    def released(self, ranks, took_s: float) -> str:
+    def released(self, ranks, took_s: float, voided: int = 0) -> str:
+        gone = f" {groups_gone(voided)}" if voided else ""
         self._say(
             f"notebook_dist: released {rank_list(ranks)} from collectives that could not "
             "complete; every rank kept its variables and the process group was rebuilt "
-            f"({took_s:.2f} s). Process groups you made with new_group() must be made again.\n"
+            f"({took_s:.2f} s).{gone}\n"
         )
         return (
             f"Released {rank_list(ranks)} from collectives that could not complete; every "
-            "rank kept its variables and the process group was rebuilt."
+            f"rank kept its variables and the process group was rebuilt.{gone}"
         )
 
     def rebuild_failed(self, why: str, said: str = "") -> str:
@@ -97,10 +98,11 @@ class Reporter:
             + ")."
         )
 
-    def rebuilt_broken(self, said: str, took_s: float) -> str:
+    def rebuilt_broken(self, said: str, took_s: float, voided: int = 0) -> str:
         outcome = (
             f"{said} The process group could not be used any more; it was rebuilt "
             f"({took_s:.2f} s) and every rank kept its variables."
+            + (f" {groups_gone(voided)}" if voided else "")
         )
         self._say(f"notebook_dist: {outcome}\n")
         return outcome

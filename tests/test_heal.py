@@ -66,6 +66,7 @@ def test_a_killed_rank_is_healed_and_training_goes_on_with_every_survivor_kept()
         assert (
             "replayed 3 setup cells alone" in said and "Copied ddp, opt, step from rank 0" in said
         )
+        assert "new_group" not in said  # (no group besides the default one was made)
         new = [r.pid for r in c.ranks]
         assert new[0] == pids[0] and new[2] == pids[2] and new[1] != pids[1]
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import ClusterError, UsageMistake
-from .phrases import groups_gone, rank_list
+from .phrases import rank_list
 
 
 class HealError(UsageMistake, RuntimeError):
@@ -40,8 +40,8 @@ class Healed:
     replay_stopped: str | None = None  # where and why the replay stopped early
     copied: list[str] = field(default_factory=list)
     took_s: float = 0.0
-    #: groups besides the default one that the rebuild voided (new_group()'s)
-    groups_voided: int = 0
+    #: what the rebuild did to the groups besides the default one, in words
+    groups: str = ""
     #: seconds per phase: engines (from the pool or started), join (alone), replay,
     #: group (made again over every rank), copy
     phases: dict[str, float] = field(default_factory=dict)
@@ -64,8 +64,8 @@ class Healed:
             said.append(f"Copied {', '.join(self.copied)} from rank {self.source}.")
         elif self.replay_stopped:
             said.append("Copy what the rest would have made with --copy NAMES.")
-        if self.groups_voided:
-            said.append(groups_gone(self.groups_voided))
+        if self.groups:
+            said.append(self.groups)
         return " ".join(said)
 
 
@@ -89,7 +89,7 @@ def heal(cluster, copy: list[str] | tuple[str, ...] = (), source: int | None = N
         cluster.replaying_alone = False
     clock("replay")
     cluster.rebuild_process_group()
-    healed.groups_voided = cluster.groups_voided
+    healed.groups = cluster.groups_rebuilt
     clock("group")
     if copy:
         blob = cluster.apply(rt_heal.pack, list(copy), ranks=[source])[source]

@@ -25,17 +25,24 @@ def _runs(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
-def groups_gone(n: int) -> str:
-    """What a rebuild of the default group cost the cells: the other groups it voided ("" when
-    there were none), a sentence."""
-    if not n:
-        return ""
-    one = n == 1
-    return (
-        f"{n} process group{'' if one else 's'} made besides the default one (with new_group(), "
-        f"or by a device mesh of 2 or more dimensions) {'is' if one else 'are'} gone: make "
-        f"{'it' if one else 'them'} again."
-    )
+def groups_after_rebuild(lost: int, remade: int) -> str:
+    """What a rebuild of the default group did to the other groups, in a sentence or two:
+    those made again, those gone ("" when there were none)."""
+    said = []
+    if remade:
+        one = remade == 1
+        said.append(
+            f"{remade} process group{'' if one else 's'} made with new_group() "
+            f"{'was' if one else 'were'} made again over the same ranks."
+        )
+    if lost:
+        one = lost == 1
+        said.append(
+            f"{lost} process group{'' if one else 's'} made besides the default one (by a "
+            f"device mesh of 2 or more dimensions, or with new_group() where the ranks "
+            f"differ) {'is' if one else 'are'} gone: make {'it' if one else 'them'} again."
+        )
+    return " ".join(said)
 
 
 def _scaled(n: float) -> tuple[float, str]:

@@ -347,18 +347,8 @@ def test_a_release_leaves_the_users_own_connections_alone(cluster):
         talk = cluster.run("user.sendall(b'still')\nuser.recv(5, socket.MSG_WAITALL)")
         assert talk.errors == {} and dict(talk.values) == {0: b"still", 1: b"still"}, talk.errors
         sub = "sub = dist.new_group([0, 1])\nif nd.rank == 1:\n    raise ValueError\n"
-        out = io.StringIO()  # (the release before voided every group made earlier)
-        r = cluster.run(sub + "dist.all_reduce(torch.ones(1), group=sub)", out=out)
+        r = cluster.run(sub + "dist.all_reduce(torch.ones(1), group=sub)")
         assert list(r.errors) == [1] and r.released == [0]
-        assert "was rebuilt (" in out.getvalue() and (
-            "1 process group made besides the default one (with new_group(), or by a device "
-            "mesh of 2 or more dimensions) is gone: make it again." in out.getvalue()
-        ), out.getvalue()
-        out = io.StringIO()  # no group besides the default one: nothing said of them
-        r = cluster.run(
-            "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)", out=out
-        )
-        assert r.released == [0] and "gone: make" not in out.getvalue(), out.getvalue()
         assert_recovered(cluster)
     finally:
         cluster.run("user.close()")
@@ -397,6 +387,56 @@ def test_an_fsdp2_model_trains_on_after_a_release(cluster):
     cluster.run(FSDP2_MODEL + "step(1)").raise_for_errors()  # the same, without a release
     kept = cluster.run(FULL_PARAMS).values[0]
     assert all(torch.equal(a, b) for a, b in zip(released, kept, strict=True))
+    assert_recovered(cluster)
+
+
+RELEASED_ON_0 = "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)"
+
+
+def test_groups_made_with_new_group_are_made_again_after_a_release():
+    """A rebuild of the default group voids every other group: those made with new_group()
+    are made again, in the same order on every rank, and whatever held one (a variable, an
+    attribute) holds its new one; a device mesh's group is said to be gone. (A cluster of
+    its own: the module's may hold groups that earlier tests made.)"""
+    from notebook_dist.config import DistConfig
+
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as cluster:
+        _groups_made_again(cluster)
+
+
+def _groups_made_again(cluster):
+    made = (
+        "sub = dist.new_group([0, 1])\nmine = dist.new_subgroups(1)[0]\n"
+        "held = type('Held', (), {})()\nheld.group = sub\n"
+    )
+    cluster.run(made).raise_for_errors()
+    out = io.StringIO()
+    assert cluster.run(RELEASED_ON_0, out=out).released == [0]
+    assert (
+        "every rank kept its variables and the process group was rebuilt (" in out.getvalue()
+        and "2 process groups made with new_group() were made again over the same ranks.\n"
+        in out.getvalue()
+    ), out.getvalue()
+    summed = cluster.run(
+        "t, u = torch.ones(1), torch.ones(1) * (nd.rank + 1)\n"
+        "dist.all_reduce(t, group=held.group)\ndist.all_reduce(u, group=mine)\n"
+        "(float(t), float(u), held.group is sub, dist.get_process_group_ranks(mine))"
+    )
+    assert dict(summed.values) == {0: (2.0, 1.0, True, [0]), 1: (2.0, 2.0, True, [1])}, summed
+    meshed = "from torch.distributed.device_mesh import init_device_mesh\n"
+    cluster.run(meshed + "mesh = init_device_mesh('cpu', (1, 2))").raise_for_errors()
+    out = io.StringIO()
+    assert cluster.run(RELEASED_ON_0, out=out).released == [0]
+    assert (
+        "2 process groups made with new_group() were made again over the same ranks. 1 process "
+        "group made besides the default one (by a device mesh of 2 or more dimensions, or with "
+        "new_group() where the ranks differ) is gone: make it again." in out.getvalue()
+    ), out.getvalue()
+    # groups destroyed are not made again, and a release then says nothing of groups
+    cluster.run("dist.destroy_process_group(sub)\ndist.destroy_process_group(mine)")
+    out = io.StringIO()
+    assert cluster.run(RELEASED_ON_0, out=out).released == [0]
+    assert "new_group" not in out.getvalue(), out.getvalue()
     assert_recovered(cluster)
 
 

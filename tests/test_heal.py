@@ -85,6 +85,27 @@ def test_a_killed_rank_is_healed_and_training_goes_on_with_every_survivor_kept()
         assert "(healed)" in text and text.count("(healed)") == 1, text
 
 
+def test_a_group_made_with_new_group_works_again_after_a_heal():
+    """The new rank replays the cell that made a group alone (with torch's fake backend);
+    then every rank makes it again over the real default group, in step with the
+    survivors, and a collective on it sums."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+    from notebook_dist.errors import ClusterError
+
+    with DistCluster(n=3, config=DistConfig(spare_engines=0)) as c:
+        c.run("sub = dist.new_group([0, 2])").raise_for_errors()
+        with pytest.raises(ClusterError):
+            c.run("import os, signal\nif nd.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)")
+        healed = c.heal([])
+        assert healed.replayed == 1, healed.text()
+        assert "1 process group made with new_group() was made again" in healed.text()
+        r = c.run(
+            "t = torch.ones(1)\nif nd.rank != 1:\n    dist.all_reduce(t, group=sub)\nfloat(t)"
+        )
+        assert dict(r.values) == {0: 2.0, 1: 1.0, 2: 2.0}, r.errors
+
+
 def test_heal_says_what_it_cannot_do():
     def stub(dead, world_size=2, local=True):
         processes = types.SimpleNamespace(spares_possible=lambda: local)

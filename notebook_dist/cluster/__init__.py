@@ -130,8 +130,8 @@ class DistCluster:
         self.history: list[PreparedCell] = []
         #: why the ranks have no process group (a rebuild failed); the next cell tries again
         self.group_lost: str | None = None
-        #: how many groups besides the default one the last rebuild voided (new_group()'s)
-        self.groups_voided = 0
+        #: what the last rebuild did to the groups besides the default one, in words
+        self.groups_rebuilt = ""
         #: what shutdown() stopped, in a sentence
         self.stop_note = ""
         #: the %dist_init request it was made from (notebook_dist.request), if any

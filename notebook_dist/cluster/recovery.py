@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from ..errors import ClusterError
 from ..execute import PreparedCell
-from ..phrases import rank_list
+from ..phrases import groups_after_rebuild, rank_list
 from ..runtime import group as rt_group
 from ..runtime import recover as rt_recover
 from ..runtime.state import rank_file
@@ -94,10 +94,10 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
     fresh port. Raises :class:`ClusterError` saying what each rank ran into, and naming the
     ranks whose CUDA context cannot be used any more (only fresh engines can have their GPU
     again); until a rebuild succeeds, ``cluster.group_lost`` says why there is no group.
-    ``cluster.groups_voided``: how many other groups (``new_group()``'s) it voided."""
+    ``cluster.groups_rebuilt``: what it did to the other groups, in words."""
     t0 = time.perf_counter()
     failed: dict[int, str] = {}
-    voided = 0  # the other groups a rank had (a try that failed may have voided them)
+    voided = remade = 0  # of the other groups (a try that failed may have voided them)
     for attempt in range(1, attempts + 1):
         try:
             port = rendezvous_port(cluster.processes, cluster.plan)
@@ -111,6 +111,7 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
             cluster.group_lost = f"rebuilding it failed {attempts} times ({why})"
             raise ClusterError(why) from None
         voided = max([voided, *((info.get("groups_lost") or 0) for info in done.values())])
+        remade = max((info.get("groups_remade") or 0) for info in [{}, *done.values()])
         broken = {r: info["cuda_unusable"] for r, info in done.items() if info.get("cuda_unusable")}
         if broken:
             said = "; ".join(f"rank {r}: {why}" for r, why in sorted(broken.items()))
@@ -122,7 +123,7 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
         failed = {r: info["error"] for r, info in done.items() if info.get("error")}
         if not failed:
             cluster.group_lost = None
-            cluster.groups_voided = voided
+            cluster.groups_rebuilt = groups_after_rebuild(voided, remade)
             return time.perf_counter() - t0
     said = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
     cluster.group_lost = f"rebuilding it failed {attempts} times ({said})"

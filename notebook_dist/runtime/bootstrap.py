@@ -116,7 +116,7 @@ def _join_group(
     dist, torch, backend, rank, world_size, timeout_s, device, store_timeout_s, alone=False
 ) -> None:
     """The device pinned, the guards and the tracker installed, the default group made."""
-    from . import recover, tracker
+    from . import recover, subgroups, tracker
 
     if device.startswith("cuda"):
         torch.cuda.set_device(int(device.split(":")[1]))
@@ -126,6 +126,7 @@ def _join_group(
         raise RuntimeError("this torch build has no torch.distributed support")
     group.install_guards(dist)
     recover.track_group_sockets(dist.distributed_c10d)
+    subgroups.install(dist)
     from . import debugger, launch, streams
 
     launch.install()

@@ -162,18 +162,6 @@ def default_group():
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-def other_groups() -> int:
-    """How many process groups there are besides the default one (``new_group()``'s, a
-    device mesh's of 2 or more dimensions): a rebuild of the default group voids them."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return 0
-    with contextlib.suppress(Exception):  # (torch's books, as torch 2.x keeps them)
-        return max(0, len(dist.distributed_c10d._world.pg_map) - 1)
-    return 0
-
-
 def rebind_ddp(old) -> int:
     """DDP modules that used the default group ``old`` (destroyed, made again) use the new
     one: their reducer is built anew, as when a DDP module is unpickled, so the survivors'
@@ -196,14 +184,15 @@ def rebind_ddp(old) -> int:
     return len(found) + rebind_holders(old)
 
 
-def rebind_holders(old) -> int:
-    """Everything else that held the default group ``old`` (destroyed, made again) as an
-    attribute, or as a variable of the cells, holds the new one: FSDP2's mesh info
-    (``fully_shard`` keeps the group it shards over), an object of the user's. A list or a
-    tuple that holds it (torch's own books) is left as it is. Returns how many were."""
+def rebind_holders(old, new=None) -> int:
+    """Everything else that held the group ``old`` (destroyed, made again: the default
+    group, or ``new``) as an attribute, or as a variable of the cells, holds the new one:
+    FSDP2's mesh info (``fully_shard`` keeps the group it shards over), an object of the
+    user's. A list or a tuple that holds it (torch's own books) is left as it is. Returns
+    how many were."""
     import gc
 
-    new = default_group()
+    new = default_group() if new is None else new
     if old is None or new is None or new is old:
         return 0
     namespace = user_namespace()

@@ -325,7 +325,7 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
     """
     import torch.distributed as dist
 
-    from . import group
+    from . import group, subgroups
 
     t0 = time.perf_counter()
     try:
@@ -337,7 +337,7 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 if broken:
                     return {"rank": STATE.rank, "cuda_unusable": broken}
             old = group.default_group()
-            voided = group.other_groups()
+            voided, kept = subgroups.others(), subgroups.alive()
             group.destroy_default_group()
             from .tracker import forget_groups
 
@@ -356,10 +356,13 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 STATE.store_timeout_s,
             )
             rebound = group.rebind_ddp(old)
+            remade = subgroups.remake(kept)
     except BaseException as exc:  # a Ctrl-C that was pending before the block, too
         said = str(exc).strip().splitlines()
         return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}
     STATE.group_broken = None
     group.clear_broken_mark()
     took = time.perf_counter() - t0
-    return {"rank": STATE.rank, "reinit_s": took, "rebound": rebound, "groups_lost": voided}
+    lost = max(0, voided - remade)
+    said = {"rebound": rebound, "groups_lost": lost, "groups_remade": remade}
+    return {"rank": STATE.rank, "reinit_s": took, **said}

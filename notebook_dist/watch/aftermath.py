@@ -21,7 +21,7 @@ def after_release(watch) -> str:
     took, why = rebuild(watch.cluster)
     if why is not None:
         return watch.report.rebuild_failed(why)
-    return watch.report.released(sorted(watch.released), took, watch.cluster.groups_voided)
+    return watch.report.released(sorted(watch.released), took, watch.cluster.groups_rebuilt)
 
 
 def after_broken_group(watch) -> str | None:
@@ -36,4 +36,4 @@ def after_broken_group(watch) -> str | None:
     took, failed = rebuild(watch.cluster)
     if failed is not None:
         return watch.report.rebuild_failed(failed, said)
-    return watch.report.rebuilt_broken(said, took, watch.cluster.groups_voided)
+    return watch.report.rebuilt_broken(said, took, watch.cluster.groups_rebuilt)

@@ -10,7 +10,7 @@ from typing import TextIO
 
 from ..doctor import Diagnosis, format_stacks
 from ..doctor.words import call_text
-from ..phrases import groups_gone, rank_list
+from ..phrases import rank_list
 
 
 class Reporter:
@@ -40,8 +40,8 @@ class Reporter:
             f"{format_stacks(snaps, self.cell_file)}\n\n"
         )
 
-    def released(self, ranks, took_s: float, voided: int = 0) -> str:
-        gone = f" {groups_gone(voided)}" if voided else ""
+    def released(self, ranks, took_s: float, groups: str = "") -> str:
+        gone = f" {groups}" if groups else ""
         self._say(
             f"notebook_dist: released {rank_list(ranks)} from collectives that could not "
             "complete; every rank kept its variables and the process group was rebuilt "
@@ -98,11 +98,11 @@ class Reporter:
             + ")."
         )
 
-    def rebuilt_broken(self, said: str, took_s: float, voided: int = 0) -> str:
+    def rebuilt_broken(self, said: str, took_s: float, groups: str = "") -> str:
         outcome = (
             f"{said} The process group could not be used any more; it was rebuilt "
             f"({took_s:.2f} s) and every rank kept its variables."
-            + (f" {groups_gone(voided)}" if voided else "")
+            + (f" {groups}" if groups else "")
         )
         self._say(f"notebook_dist: {outcome}\n")
         return outcome

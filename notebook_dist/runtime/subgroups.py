@@ -1,0 +1,114 @@
+"""The process groups besides the default one, which a rebuild of the default group voids
+(``recover.reinit``): each made with ``new_group()`` is kept with what made it
+(:func:`install`), and made again, in the same order, once the default group is rebuilt
+(:func:`remake`); whatever held the old group then holds the new one.
+
+Every rank must make a group, members or not, in the same order: the ranks first agree on
+which to make again (the longest list they all kept), and the rest are said to be gone.
+A group made only by its members (``use_local_synchronization=True``) and a device mesh's
+(torch makes those itself) are not made again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+from .state import STATE
+
+#: what made each group, in the order made: [(the group, args, kwargs), ...]
+_MADE = "made_groups"
+
+
+def install(dist_module) -> None:
+    """``new_group`` (the cells', and ``new_subgroups``' inside torch) keeps what made each
+    group it makes."""
+    c10d = dist_module.distributed_c10d
+    make = c10d.new_group
+    if getattr(make, "_notebook_dist_kept", False):
+        return
+
+    def new_group(*args, **kwargs):
+        made = make(*args, **kwargs)
+        STATE.extras.setdefault(_MADE, []).append((made, args, kwargs))
+        return made
+
+    new_group._notebook_dist_kept = True
+    new_group.__wrapped__ = make
+    new_group.__doc__ = make.__doc__
+    new_group.__signature__ = inspect.signature(make)
+    for module in (dist_module, c10d):
+        module.new_group = new_group
+
+
+def others() -> int:
+    """How many process groups there are besides the default one (``new_group()``'s, a
+    device mesh's of 2 or more dimensions): a rebuild of the default group voids them."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    with contextlib.suppress(Exception):  # (torch's books, as torch 2.x keeps them)
+        return max(0, len(dist.distributed_c10d._world.pg_map) - 1)
+    return 0
+
+
+def alive() -> list[tuple]:
+    """What made each group still in use (not destroyed), in the order made: taken before
+    the default group is destroyed, for :func:`remake`."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    made = STATE.extras.pop(_MADE, [])
+    if not dist.is_initialized():
+        return []
+    members = c10d._world.pg_map
+    return [m for m in made if m[0] is c10d.GroupMember.NON_GROUP_MEMBER or m[0] in members]
+
+
+def remake(kept: list[tuple]) -> int:
+    """Make the groups of ``kept`` (:func:`alive`) again over the rebuilt default group, as
+    far as every rank kept the same; whatever held an old one holds its new one. Returns
+    how many of this rank's own groups (those it is a member of) were made again."""
+    import torch.distributed as dist
+
+    from .group import rebind_holders
+
+    c10d = dist.distributed_c10d
+    make = getattr(c10d.new_group, "__wrapped__", c10d.new_group)
+    mine = [_signature(make, args, kwargs) for _, args, kwargs in kept]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    agreed = 0
+    while agreed < len(mine) and all(
+        len(theirs) > agreed and theirs[agreed] == mine[agreed] for theirs in everyone
+    ):
+        agreed += 1
+    again, own = [], 0
+    for old, args, kwargs in kept[:agreed]:
+        new = make(*args, **kwargs)
+        if old is not c10d.GroupMember.NON_GROUP_MEMBER:
+            own += 1
+            rebind_holders(old, new)
+        again.append((new, args, kwargs))
+    STATE.extras[_MADE] = again
+    return own
+
+
+def _signature(make, args: tuple, kwargs: dict) -> tuple | None:
+    """What every rank must have asked the same of ``new_group`` (its ranks, backend and
+    description), or None for a group that cannot be made again (made by its members
+    alone)."""
+    try:
+        bound = inspect.signature(make).bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    if bound.get("use_local_synchronization"):
+        return None
+    ranks = bound.get("ranks")
+    return (
+        None if ranks is None else tuple(sorted(ranks)),
+        str(bound.get("backend")),
+        str(bound.get("group_desc")),
+    )

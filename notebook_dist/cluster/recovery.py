@@ -110,8 +110,8 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
             why = str(exc) if isinstance(exc, ClusterError) else remote_message(exc)
             cluster.group_lost = f"rebuilding it failed {attempts} times ({why})"
             raise ClusterError(why) from None
-        voided = max([voided, *((info.get("groups_lost") or 0) for info in done.values())])
-        remade = max((info.get("groups_remade") or 0) for info in [{}, *done.values()])
+        voided = max([voided, *(info.get("groups_lost", 0) for info in done.values())])
+        remade = max((info.get("groups_remade", 0) for info in done.values()), default=0)
         broken = {r: info["cuda_unusable"] for r, info in done.items() if info.get("cuda_unusable")}
         if broken:
             said = "; ".join(f"rank {r}: {why}" for r, why in sorted(broken.items()))

@@ -181,33 +181,35 @@ def rebind_ddp(old) -> int:
     for m in found:
         m.process_group = default_group()
         m.__setstate__(m.__getstate__())  # what unpickling does: a reducer on the new group
-    return len(found) + rebind_holders(old)
+    return len(found)
 
 
-def rebind_holders(old, new=None) -> int:
-    """Everything else that held the group ``old`` (destroyed, made again: the default
-    group, or ``new``) as an attribute, or as a variable of the cells, holds the new one:
-    FSDP2's mesh info (``fully_shard`` keeps the group it shards over), an object of the
-    user's. A list or a tuple that holds it (torch's own books) is left as it is. Returns
-    how many were."""
+def rebind_holders(pairs: list[tuple[Any, Any]]) -> int:
+    """Everything else that held an old group of ``pairs`` (destroyed, made again) as an
+    attribute, or as a variable of the cells, holds its new one: FSDP2's mesh info
+    (``fully_shard`` keeps the group it shards over), an object of the user's. A list or a
+    tuple that holds one (torch's own books) is left as it is. One look through the heap for
+    all of them. Returns how many were."""
     import gc
 
-    new = default_group() if new is None else new
-    if old is None or new is None or new is old:
+    # (by id: the old groups are alive, held by ``pairs``, so no other object has theirs)
+    new_for = {id(o): n for o, n in pairs if o is not None and n is not None and n is not o}
+    if not new_for:
         return 0
+    olds = [old for old, _ in pairs if id(old) in new_for]
     namespace = user_namespace()
     rebound = 0
-    for holder in gc.get_referrers(old):
+    for holder in gc.get_referrers(*olds):
         if holder is namespace:
-            names = [k for k, v in holder.items() if v is old]
-            holder.update(dict.fromkeys(names, new))
-            rebound += len(names)
+            found = {k: new_for[id(v)] for k, v in holder.items() if id(v) in new_for}
+            holder.update(found)
+            rebound += len(found)
         elif not isinstance(holder, (dict, list, tuple, type, types.FrameType, types.CellType)):
-            names = [k for k, v in _attributes(holder) if v is old]
-            for name in names:
-                with contextlib.suppress(AttributeError, TypeError):
-                    setattr(holder, name, new)
-                    rebound += 1
+            for name, value in _attributes(holder):
+                if id(value) in new_for:
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(holder, name, new_for[id(value)])
+                        rebound += 1
     return rebound
 
 

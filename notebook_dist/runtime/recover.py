@@ -356,7 +356,9 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 STATE.store_timeout_s,
             )
             rebound = group.rebind_ddp(old)
-            remade = subgroups.remake(kept)
+            pairs = subgroups.remake(kept)
+            rebound += group.rebind_holders([(old, group.default_group()), *pairs])
+            remade = len(pairs)
     except BaseException as exc:  # a Ctrl-C that was pending before the block, too
         said = str(exc).strip().splitlines()
         return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}

@@ -31,7 +31,9 @@ def install(dist_module) -> None:
 
     def new_group(*args, **kwargs):
         made = make(*args, **kwargs)
-        STATE.extras.setdefault(_MADE, []).append((made, args, kwargs))
+        # (the records of groups destroyed since go: a cell that makes and destroys groups
+        # over and over keeps no more than it has)
+        STATE.extras[_MADE] = [*_alive(STATE.extras.get(_MADE, []), c10d), (made, args, kwargs)]
         return made
 
     new_group._notebook_dist_kept = True
@@ -59,21 +61,23 @@ def alive() -> list[tuple]:
     the default group is destroyed, for :func:`remake`."""
     import torch.distributed as dist
 
-    c10d = dist.distributed_c10d
     made = STATE.extras.pop(_MADE, [])
-    if not dist.is_initialized():
-        return []
+    return _alive(made, dist.distributed_c10d) if dist.is_initialized() else []
+
+
+def _alive(made: list[tuple], c10d) -> list[tuple]:
+    """The records of ``made`` whose group is not destroyed (a rank that is no member of a
+    group cannot tell: its record is kept)."""
     members = c10d._world.pg_map
     return [m for m in made if m[0] is c10d.GroupMember.NON_GROUP_MEMBER or m[0] in members]
 
 
-def remake(kept: list[tuple]) -> int:
+def remake(kept: list[tuple]) -> list[tuple]:
     """Make the groups of ``kept`` (:func:`alive`) again over the rebuilt default group, as
-    far as every rank kept the same; whatever held an old one holds its new one. Returns
-    how many of this rank's own groups (those it is a member of) were made again."""
+    far as every rank kept the same. Returns (old group, new group) for this rank's own
+    groups (those it is a member of), for whatever held the old one
+    (``group.rebind_holders``)."""
     import torch.distributed as dist
-
-    from .group import rebind_holders
 
     c10d = dist.distributed_c10d
     make = getattr(c10d.new_group, "__wrapped__", c10d.new_group)
@@ -81,16 +85,17 @@ def remake(kept: list[tuple]) -> int:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     agreed = 0
-    while agreed < len(mine) and all(
-        len(theirs) > agreed and theirs[agreed] == mine[agreed] for theirs in everyone
+    while (
+        agreed < len(mine)
+        and mine[agreed] is not None
+        and all(len(theirs) > agreed and theirs[agreed] == mine[agreed] for theirs in everyone)
     ):
         agreed += 1
-    again, own = [], 0
+    again, own = [], []
     for old, args, kwargs in kept[:agreed]:
         new = make(*args, **kwargs)
         if old is not c10d.GroupMember.NON_GROUP_MEMBER:
-            own += 1
-            rebind_holders(old, new)
+            own.append((old, new))
         again.append((new, args, kwargs))
     STATE.extras[_MADE] = again
     return own

@@ -396,7 +396,8 @@ RELEASED_ON_0 = "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist
 def test_groups_made_with_new_group_are_made_again_after_a_release():
     """A rebuild of the default group voids every other group: those made with new_group()
     are made again, in the same order on every rank, and whatever held one (a variable, an
-    attribute) holds its new one; a device mesh's group is said to be gone. (A cluster of
+    attribute, a DDP module, whose reducer is made anew) holds its new one; a device mesh's
+    group is said to be gone. (A cluster of
     its own: the module's may hold groups that earlier tests made.)"""
     from notebook_dist.config import DistConfig
 
@@ -408,6 +409,9 @@ def _groups_made_again(cluster):
     made = (
         "sub = dist.new_group([0, 1])\nmine = dist.new_subgroups(1)[0]\n"
         "held = type('Held', (), {})()\nheld.group = sub\n"
+        "ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1), process_group=sub)\n"
+        "def grad():\n    ddp.zero_grad()\n    ddp(torch.ones(1, 2) * (nd.rank + 1)).sum().backward()\n"
+        "    return ddp.module.weight.grad.tolist()\n"
     )
     cluster.run(made).raise_for_errors()
     out = io.StringIO()
@@ -420,9 +424,14 @@ def _groups_made_again(cluster):
     summed = cluster.run(
         "t, u = torch.ones(1), torch.ones(1) * (nd.rank + 1)\n"
         "dist.all_reduce(t, group=held.group)\ndist.all_reduce(u, group=mine)\n"
-        "(float(t), float(u), held.group is sub, dist.get_process_group_ranks(mine))"
+        "(float(t), float(u), held.group is sub is ddp.process_group, "
+        "dist.get_process_group_ranks(mine), grad())"
     )
-    assert dict(summed.values) == {0: (2.0, 1.0, True, [0]), 1: (2.0, 2.0, True, [1])}, summed
+    # (a DDP module over a group made with new_group() averages its gradients again)
+    assert dict(summed.values) == {
+        0: (2.0, 1.0, True, [0], [[1.5, 1.5]]),
+        1: (2.0, 2.0, True, [1], [[1.5, 1.5]]),
+    }, summed
     meshed = "from torch.distributed.device_mesh import init_device_mesh\n"
     cluster.run(meshed + "mesh = init_device_mesh('cpu', (1, 2))").raise_for_errors()
     out = io.StringIO()

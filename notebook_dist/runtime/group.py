@@ -162,26 +162,40 @@ def default_group():
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-def rebind_ddp(old) -> int:
-    """DDP modules that used the default group ``old`` (destroyed, made again) use the new
-    one: their reducer is built anew, as when a DDP module is unpickled, so the survivors'
-    models train on after a rebuild. Every DDP module of the process is found (the
-    namespace's, and those inside other objects). Returns how many were rebound."""
+def rebind_ddp(pairs: list[tuple[Any, Any]]) -> int:
+    """DDP modules that used an old group of ``pairs`` (destroyed, made again: the default
+    group, or one made with ``new_group()``) use its new one: their reducer is built anew,
+    as when a DDP module is unpickled, so the survivors' models train on after a rebuild.
+    Every DDP module of the process is found (the namespace's, and those inside other
+    objects). Returns how many were rebound."""
     import gc
-    import sys
 
     ddp = sys.modules.get("torch.nn.parallel.distributed")
-    if old is None or ddp is None:
+    new_for = {id(o): n for o, n in pairs if o is not None and n is not None and n is not o}
+    if ddp is None or not new_for:
         return 0
     found = [
         m
         for m in gc.get_objects()
-        if isinstance(m, ddp.DistributedDataParallel) and getattr(m, "process_group", None) is old
+        if isinstance(m, ddp.DistributedDataParallel)
+        and id(getattr(m, "process_group", None)) in new_for
     ]
     for m in found:
-        m.process_group = default_group()
-        m.__setstate__(m.__getstate__())  # what unpickling does: a reducer on the new group
+        _rebuild_reducer(ddp, m, new_for[id(m.process_group)])
     return len(found)
+
+
+def _rebuild_reducer(ddp, module, new) -> None:
+    """``module``'s reducer made anew on the group ``new``, by DDP's own unpickling, which
+    takes the default group: for the time of it, torch's default group (as DDP's module
+    sees it) is ``new``."""
+    module.process_group = new
+    default = ddp._get_default_group
+    ddp._get_default_group = lambda: new
+    try:
+        module.__setstate__(module.__getstate__())
+    finally:
+        ddp._get_default_group = default
 
 
 def rebind_holders(pairs: list[tuple[Any, Any]]) -> int:

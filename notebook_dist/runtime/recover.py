@@ -355,10 +355,10 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 rendezvous_timeout_s,
                 STATE.store_timeout_s,
             )
-            rebound = group.rebind_ddp(old)
-            pairs = subgroups.remake(kept)
-            rebound += group.rebind_holders([(old, group.default_group()), *pairs])
-            remade = len(pairs)
+            mine = subgroups.remake(kept)
+            pairs = [(old, group.default_group()), *mine]
+            rebound = group.rebind_ddp(pairs) + group.rebind_holders(pairs)
+            remade = len(mine)
     except BaseException as exc:  # a Ctrl-C that was pending before the block, too
         said = str(exc).strip().splitlines()
         return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}

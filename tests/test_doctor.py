@@ -441,11 +441,17 @@ def _groups_made_again(cluster):
         "group made besides the default one (by a device mesh of 2 or more dimensions, or with "
         "new_group() where the ranks differ) is gone: make it again." in out.getvalue()
     ), out.getvalue()
-    # groups destroyed are not made again, and a release then says nothing of groups
+    # groups destroyed are not made again, not even by the rank that was no member of one
+    # (it cannot tell it was destroyed), and a group made after them still is
     cluster.run("dist.destroy_process_group(sub)\ndist.destroy_process_group(mine)")
+    cluster.run("later = dist.new_group([0, 1])").raise_for_errors()
     out = io.StringIO()
     assert cluster.run(RELEASED_ON_0, out=out).released == [0]
-    assert "new_group" not in out.getvalue(), out.getvalue()
+    assert out.getvalue().endswith(
+        "1 process group made with new_group() was made again over the same ranks.\n"
+    ), out.getvalue()
+    summed = cluster.run("t = torch.ones(1)\ndist.all_reduce(t, group=later)\nfloat(t)")
+    assert dict(summed.values) == {0: 2.0, 1: 2.0}, summed
     assert_recovered(cluster)
 
 

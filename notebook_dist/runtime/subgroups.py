@@ -3,10 +3,15 @@
 (:func:`install`), and made again, in the same order, once the default group is rebuilt
 (:func:`remake`); whatever held the old group then holds the new one.
 
-Every rank must make a group, members or not, in the same order: the ranks first agree on
-which to make again (the longest list they all kept), and the rest are said to be gone.
-A group made only by its members (``use_local_synchronization=True``) and a device mesh's
-(torch makes those itself) are not made again.
+Every rank must make a group, members or not, in the same order. So each group is kept
+under a key every rank gives it alike: how many groups the rank had made before it (since
+its engine started, counted the same on every rank, a heal's new rank replaying the cells
+included) and what it was asked (its ranks, backend and description). The ranks make again
+the groups whose key every rank kept: a member drops the key of a group it destroyed, and
+so a rank that was no member of it, which cannot tell, does not make it again either. The
+rest are said to be gone. A group made only by its members
+(``use_local_synchronization=True``) and a device mesh's (torch makes those itself) are
+not made again.
 """
 
 from __future__ import annotations
@@ -17,8 +22,14 @@ from typing import Any
 
 from .state import STATE
 
-#: what made each group, in the order made: [(the group, args, kwargs), ...]
+#: what made each group, in the order made: [(the group, args, kwargs, its key), ...]
 _MADE = "made_groups"
+#: how many groups this rank has made that every rank makes (the first half of a key)
+_COUNT = "groups_counted"
+#: the most records a rank keeps (the newest): one that is no member of a group keeps its
+#: record until the next rebuild, so a cell that makes and destroys groups over and over
+#: would otherwise grow them without end
+KEEP = 4096
 
 
 def install(dist_module) -> None:
@@ -31,9 +42,14 @@ def install(dist_module) -> None:
 
     def new_group(*args, **kwargs):
         made = make(*args, **kwargs)
-        # (the records of groups destroyed since go: a cell that makes and destroys groups
-        # over and over keeps no more than it has)
-        STATE.extras[_MADE] = [*_alive(STATE.extras.get(_MADE, []), c10d), (made, args, kwargs)]
+        asked = _signature(make, args, kwargs)
+        if asked is not None:
+            count = STATE.extras.get(_COUNT, 0)
+            STATE.extras[_COUNT] = count + 1
+            # (the records of groups destroyed since go: a cell that makes and destroys
+            # groups over and over keeps no more than it has, where it is a member)
+            kept = _alive(STATE.extras.get(_MADE, []), c10d)[-(KEEP - 1) :]
+            STATE.extras[_MADE] = [*kept, (made, args, kwargs, (count, asked))]
         return made
 
     new_group._notebook_dist_kept = True
@@ -73,38 +89,33 @@ def _alive(made: list[tuple], c10d) -> list[tuple]:
 
 
 def remake(kept: list[tuple]) -> list[tuple]:
-    """Make the groups of ``kept`` (:func:`alive`) again over the rebuilt default group, as
-    far as every rank kept the same. Returns (old group, new group) for this rank's own
-    groups (those it is a member of), for whatever held the old one
+    """Make the groups of ``kept`` (:func:`alive`) again over the rebuilt default group,
+    those whose key every rank kept, in the order made. Returns (old group, new group) for
+    this rank's own groups (those it is a member of), for whatever held the old one
     (``group.rebind_holders``)."""
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
     make = getattr(c10d.new_group, "__wrapped__", c10d.new_group)
-    mine = [_signature(make, args, kwargs) for _, args, kwargs in kept]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    agreed = 0
-    while (
-        agreed < len(mine)
-        and mine[agreed] is not None
-        and all(len(theirs) > agreed and theirs[agreed] == mine[agreed] for theirs in everyone)
-    ):
-        agreed += 1
+    dist.all_gather_object(everyone, [key for *_, key in kept])
+    agreed = set.intersection(*(set(keys) for keys in everyone))
     again, own = [], []
-    for old, args, kwargs in kept[:agreed]:
+    for old, args, kwargs, key in kept:
+        if key not in agreed:
+            continue
         new = make(*args, **kwargs)
         if old is not c10d.GroupMember.NON_GROUP_MEMBER:
             own.append((old, new))
-        again.append((new, args, kwargs))
+        again.append((new, args, kwargs, key))
     STATE.extras[_MADE] = again
     return own
 
 
 def _signature(make, args: tuple, kwargs: dict) -> tuple | None:
     """What every rank must have asked the same of ``new_group`` (its ranks, backend and
-    description), or None for a group that cannot be made again (made by its members
-    alone)."""
+    description), or None for a group that is not made again (made by its members alone,
+    or asked what ``new_group`` refused)."""
     try:
         bound = inspect.signature(make).bind(*args, **kwargs).arguments
     except TypeError:

@@ -32,15 +32,15 @@ def groups_after_rebuild(lost: int, remade: int) -> str:
     if remade:
         one = remade == 1
         said.append(
-            f"{remade} process group{'' if one else 's'} made with new_group() "
-            f"{'was' if one else 'were'} made again over the same ranks."
+            f"{remade} process group{'' if one else 's'} made with new_group() or by a "
+            f"device mesh {'was' if one else 'were'} made again over the same ranks."
         )
     if lost:
         one = lost == 1
         said.append(
-            f"{lost} process group{'' if one else 's'} made besides the default one (by a "
-            f"device mesh of 2 or more dimensions, or with new_group() where the ranks "
-            f"differ) {'is' if one else 'are'} gone: make {'it' if one else 'them'} again."
+            f"{lost} process group{'' if one else 's'} made besides the default one "
+            f"({'its' if one else 'their'} members' alone, or not made alike on every rank) "
+            f"{'is' if one else 'are'} gone: make {'it' if one else 'them'} again."
         )
     return " ".join(said)
 

@@ -49,7 +49,8 @@ def assert_recovered(cluster):
     """Every rank idle, process group usable: a following all_reduce is correct."""
     r = cluster.run("t = torch.ones(2) * (nd.rank + 1)\ndist.all_reduce(t)\nt")
     r.raise_for_errors()
-    assert all(torch.equal(v, torch.full((2,), 3.0)) for v in r.values.values())
+    n = cluster.world_size
+    assert all(torch.equal(v, torch.full((2,), n * (n + 1) / 2)) for v in r.values.values())
 
 
 def test_collective_inside_rank_conditional_branch(cluster):
@@ -393,12 +394,35 @@ def test_an_fsdp2_model_trains_on_after_a_release(cluster):
 RELEASED_ON_0 = "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)"
 
 
+def test_an_hsdp_model_on_a_2d_mesh_trains_on_after_a_release():
+    """fully_shard over a 2x2 mesh (HSDP: replicated over its first dimension, sharded over
+    its second) keeps the two groups of its rank that the mesh made: after a release they
+    are made again, and the model's next step is the step it would have taken without the
+    release. (A cluster of its own: the mesh's groups stay for the rest of its life.)"""
+    from notebook_dist.config import DistConfig
+
+    hsdp = FSDP2_MODEL.replace("(nd.world_size,)", '(2, 2), mesh_dim_names=("replicate", "shard")')
+    with DistCluster(n=4, config=DistConfig(spare_engines=0)) as cluster:
+        cluster.run(hsdp).raise_for_errors()
+        out = io.StringIO()
+        assert cluster.run(RELEASED_ON_0, out=out).released == [0, 2, 3]
+        assert "2 process groups made with new_group() or by a device mesh were made again" in (
+            out.getvalue()
+        ), out.getvalue()
+        cluster.run("step(1)").raise_for_errors()
+        released = cluster.run(FULL_PARAMS).values[0]
+        cluster.run(hsdp + "step(1)").raise_for_errors()  # the same, without a release
+        kept = cluster.run(FULL_PARAMS).values[0]
+        assert all(torch.equal(a, b) for a, b in zip(released, kept, strict=True))
+        assert_recovered(cluster)
+
+
 def test_groups_made_with_new_group_are_made_again_after_a_release():
     """A rebuild of the default group voids every other group: those made with new_group()
     are made again, in the same order on every rank, and whatever held one (a variable, an
-    attribute, a DDP module, whose reducer is made anew) holds its new one; a device mesh's
-    group is said to be gone. (A cluster of
-    its own: the module's may hold groups that earlier tests made.)"""
+    attribute, a DDP module, whose reducer is made anew) holds its new one; so are a device
+    mesh's, and the mesh names them; a group made by its members alone is said to be gone.
+    (A cluster of its own: the module's may hold groups that earlier tests made.)"""
     from notebook_dist.config import DistConfig
 
     with DistCluster(n=2, config=DistConfig(spare_engines=0)) as cluster:
@@ -418,7 +442,8 @@ def _groups_made_again(cluster):
     assert cluster.run(RELEASED_ON_0, out=out).released == [0]
     assert (
         "every rank kept its variables and the process group was rebuilt (" in out.getvalue()
-        and "2 process groups made with new_group() were made again over the same ranks.\n"
+        and "2 process groups made with new_group() or by a device mesh were made again over the "
+        "same ranks.\n"
         in out.getvalue()
     ), out.getvalue()
     summed = cluster.run(
@@ -432,15 +457,29 @@ def _groups_made_again(cluster):
         0: (2.0, 1.0, True, [0], [[1.5, 1.5]]),
         1: (2.0, 2.0, True, [1], [[1.5, 1.5]]),
     }, summed
-    meshed = "from torch.distributed.device_mesh import init_device_mesh\n"
-    cluster.run(meshed + "mesh = init_device_mesh('cpu', (1, 2))").raise_for_errors()
+    meshed = (
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "mesh = init_device_mesh('cpu', (1, 2), mesh_dim_names=('dp', 'tp'))\n"
+        "dp, dp_group = mesh['dp'], mesh.get_group('dp')\n"
+        "alone = dist.new_group([0, 1], use_local_synchronization=True)\n"
+    )
+    cluster.run(meshed).raise_for_errors()
     out = io.StringIO()
     assert cluster.run(RELEASED_ON_0, out=out).released == [0]
     assert (
-        "2 process groups made with new_group() were made again over the same ranks. 1 process "
-        "group made besides the default one (by a device mesh of 2 or more dimensions, or with "
-        "new_group() where the ranks differ) is gone: make it again." in out.getvalue()
+        "3 process groups made with new_group() or by a device mesh were made again over the "
+        "same ranks. 1 process group made besides the default one (its members' alone, or not "
+        "made alike on every rank) is gone: make it again." in out.getvalue()
     ), out.getvalue()
+    # the mesh, and its slice, name the new group of each dimension, and hold it
+    summed = cluster.run(
+        "t, u, w = torch.ones(1), torch.ones(1), torch.ones(1)\n"
+        "dist.all_reduce(t, group=mesh.get_group('dp'))\ndist.all_reduce(u, group=dp.get_group())\n"
+        "dist.all_reduce(w, group=mesh.get_group('tp'))\n"
+        "(float(t), float(u), float(w), dp_group is mesh.get_group('dp'), "
+        "dist.get_process_group_ranks(dp_group))"
+    )
+    assert dict(summed.values) == {0: (1.0, 1.0, 2.0, True, [0]), 1: (1.0, 1.0, 2.0, True, [1])}
     # groups destroyed are not made again, not even by the rank that was no member of one
     # (it cannot tell it was destroyed), and a group made after them still is
     cluster.run("dist.destroy_process_group(sub)\ndist.destroy_process_group(mine)")
@@ -448,10 +487,17 @@ def _groups_made_again(cluster):
     out = io.StringIO()
     assert cluster.run(RELEASED_ON_0, out=out).released == [0]
     assert out.getvalue().endswith(
-        "1 process group made with new_group() was made again over the same ranks.\n"
+        "2 process groups made with new_group() or by a device mesh were made again over the "
+        "same ranks.\n"
     ), out.getvalue()
-    summed = cluster.run("t = torch.ones(1)\ndist.all_reduce(t, group=later)\nfloat(t)")
-    assert dict(summed.values) == {0: 2.0, 1: 2.0}, summed
+    # (the groups destroyed are not made again: the mesh's group takes another name)
+    summed = cluster.run(
+        "t, u = torch.ones(1), torch.ones(1)\ndist.all_reduce(t, group=later)\n"
+        "dist.all_reduce(u, group=dp.get_group())\n"
+        "(float(t), float(u), dp.get_group() is mesh.get_group('dp') is dp_group, "
+        "mesh._pg_registry.get(dp_group.group_name) is dp_group)"
+    )
+    assert dict(summed.values) == {0: (2.0, 1.0, True, True), 1: (2.0, 1.0, True, True)}
     assert_recovered(cluster)
 
 

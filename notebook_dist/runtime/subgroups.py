@@ -1,17 +1,17 @@
 """The process groups besides the default one, which a rebuild of the default group voids
-(``recover.reinit``): each made with ``new_group()`` is kept with what made it
-(:func:`install`), and made again, in the same order, once the default group is rebuilt
-(:func:`remake`); whatever held the old group then holds the new one.
+(``recover.reinit``): each made with ``new_group()``, and each set a device mesh makes, is
+kept with what made it (:func:`install`), and made again, in the same order, once the
+default group is rebuilt (:func:`remake`); whatever held an old group then holds its new
+one, and a device mesh (its slices and flattened meshes too) names its new groups.
 
-Every rank must make a group, members or not, in the same order. So each group is kept
-under a key every rank gives it alike: how many groups the rank had made before it (since
-its engine started, counted the same on every rank, a heal's new rank replaying the cells
-included) and what it was asked (its ranks, backend and description). The ranks make again
-the groups whose key every rank kept: a member drops the key of a group it destroyed, and
-so a rank that was no member of it, which cannot tell, does not make it again either. The
-rest are said to be gone. A group made only by its members
-(``use_local_synchronization=True``) and a device mesh's (torch makes those itself) are
-not made again.
+Every rank must make a group, members or not, in the same order. So each is kept under a
+key every rank gives it alike: how many this rank had made before it (since its engine
+started, counted the same on every rank, a heal's new rank replaying the cells included)
+and what it was asked (a group's ranks, backend and description; a mesh's layout, ranks,
+dimension names and backends). The ranks make again those whose key every rank kept: a
+member drops the key of a group it destroyed, and so a rank that was no member of it,
+which cannot tell, does not make it again either. The rest are said to be gone, as is a
+group made only by its members (``use_local_synchronization=True``).
 """
 
 from __future__ import annotations
@@ -22,19 +22,23 @@ from typing import Any
 
 from .state import STATE
 
-#: what made each group, in the order made: [(the group, args, kwargs, its key), ...]
+#: what made each group or mesh, in the order made: [(kind, made, args, kwargs, key), ...]
+#: where kind is "group" (made: the group) or "mesh" (made: its groups' names)
 _MADE = "made_groups"
-#: how many groups this rank has made that every rank makes (the first half of a key)
+#: how many groups and meshes this rank has made that every rank makes (a key's first half)
 _COUNT = "groups_counted"
 #: the most records a rank keeps (the newest): one that is no member of a group keeps its
 #: record until the next rebuild, so a cell that makes and destroys groups over and over
 #: would otherwise grow them without end
 KEEP = 4096
+#: how deep the rank is inside a device mesh's making (its own new_group calls are the
+#: mesh's, not kept apart)
+_IN_MESH = [0]
 
 
 def install(dist_module) -> None:
-    """``new_group`` (the cells', and ``new_subgroups``' inside torch) keeps what made each
-    group it makes."""
+    """``new_group`` (the cells', and ``new_subgroups``' inside torch) and a device mesh's
+    making of its groups keep what made each."""
     c10d = dist_module.distributed_c10d
     make = c10d.new_group
     if getattr(make, "_notebook_dist_kept", False):
@@ -42,14 +46,8 @@ def install(dist_module) -> None:
 
     def new_group(*args, **kwargs):
         made = make(*args, **kwargs)
-        asked = _signature(make, args, kwargs)
-        if asked is not None:
-            count = STATE.extras.get(_COUNT, 0)
-            STATE.extras[_COUNT] = count + 1
-            # (the records of groups destroyed since go: a cell that makes and destroys
-            # groups over and over keeps no more than it has, where it is a member)
-            kept = _alive(STATE.extras.get(_MADE, []), c10d)[-(KEEP - 1) :]
-            STATE.extras[_MADE] = [*kept, (made, args, kwargs, (count, asked))]
+        if not _IN_MESH[0]:
+            _keep(c10d, "group", made, args, kwargs, _signature(make, args, kwargs))
         return made
 
     new_group._notebook_dist_kept = True
@@ -58,11 +56,53 @@ def install(dist_module) -> None:
     new_group.__signature__ = inspect.signature(make)
     for module in (dist_module, c10d):
         module.new_group = new_group
+    _install_mesh(c10d)
+
+
+def _install_mesh(c10d) -> None:
+    """A device mesh makes its groups in ``DeviceMesh._init_process_groups`` (torch 2.x:
+    at its making, flattening and unflattening): what it was given is kept, and the
+    names of the groups it made."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        init = DeviceMesh._init_process_groups
+        signature = inspect.signature(init)
+    except Exception:  # (no device mesh in this torch, or not as torch 2.x makes it)
+        return
+    if getattr(init, "_notebook_dist_kept", False):
+        return
+
+    def init_process_groups(*args, **kwargs):
+        _IN_MESH[0] += 1
+        try:
+            names = init(*args, **kwargs)
+        finally:
+            _IN_MESH[0] -= 1
+        if not _IN_MESH[0]:
+            _keep(c10d, "mesh", list(names), args, kwargs, _mesh_signature(signature, args, kwargs))
+        return names
+
+    init_process_groups._notebook_dist_kept = True
+    init_process_groups.__wrapped__ = init
+    DeviceMesh._init_process_groups = staticmethod(init_process_groups)
+
+
+def _keep(c10d, kind: str, made, args: tuple, kwargs: dict, asked: tuple | None) -> None:
+    """Keep a record of what was made (nothing for what is not made again: ``asked`` None)."""
+    if asked is None:
+        return
+    count = STATE.extras.get(_COUNT, 0)
+    STATE.extras[_COUNT] = count + 1
+    # (the records of groups destroyed since go: a cell that makes and destroys groups over
+    # and over keeps no more than it has, where it is a member)
+    kept = _alive(STATE.extras.get(_MADE, []), c10d)[-(KEEP - 1) :]
+    STATE.extras[_MADE] = [*kept, (kind, made, args, kwargs, (count, asked))]
 
 
 def others() -> int:
     """How many process groups there are besides the default one (``new_group()``'s, a
-    device mesh's of 2 or more dimensions): a rebuild of the default group voids them."""
+    device mesh's): a rebuild of the default group voids them."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -73,43 +113,92 @@ def others() -> int:
 
 
 def alive() -> list[tuple]:
-    """What made each group still in use (not destroyed), in the order made: taken before
-    the default group is destroyed, for :func:`remake`."""
+    """What made each group and mesh still in use (not destroyed), in the order made,
+    taken before the default group is destroyed, for :func:`remake` (a mesh's, with its
+    groups as they are now: [(name, group), ...])."""
     import torch.distributed as dist
 
     made = STATE.extras.pop(_MADE, [])
-    return _alive(made, dist.distributed_c10d) if dist.is_initialized() else []
+    if not dist.is_initialized():
+        return []
+    c10d = dist.distributed_c10d
+    by_name = {name: pg for pg, name in c10d._world.pg_names.items()}
+    return [
+        (kind, [(n, by_name[n]) for n in old] if kind == "mesh" else old, *rest)
+        for kind, old, *rest in _alive(made, c10d)
+    ]
 
 
 def _alive(made: list[tuple], c10d) -> list[tuple]:
-    """The records of ``made`` whose group is not destroyed (a rank that is no member of a
-    group cannot tell: its record is kept)."""
+    """The records of ``made`` whose groups are not destroyed (a rank that is no member of
+    a group cannot tell: its record is kept)."""
     members = c10d._world.pg_map
-    return [m for m in made if m[0] is c10d.GroupMember.NON_GROUP_MEMBER or m[0] in members]
+    names = set(c10d._world.pg_names.values())
+    return [
+        m
+        for m in made
+        if (m[0] == "mesh" and names.issuperset(m[1]))
+        or (m[0] == "group" and (m[1] is c10d.GroupMember.NON_GROUP_MEMBER or m[1] in members))
+    ]
 
 
 def remake(kept: list[tuple]) -> list[tuple]:
-    """Make the groups of ``kept`` (:func:`alive`) again over the rebuilt default group,
-    those whose key every rank kept, in the order made. Returns (old group, new group) for
-    this rank's own groups (those it is a member of), for whatever held the old one
-    (``group.rebind_holders``)."""
+    """Make the groups and meshes' groups of ``kept`` (:func:`alive`) again over the
+    rebuilt default group, those whose key every rank kept, in the order made. Returns
+    (old group, new group) for this rank's own groups (those it is a member of), for
+    whatever held the old one (``group.rebind_holders``)."""
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
-    make = getattr(c10d.new_group, "__wrapped__", c10d.new_group)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [key for *_, key in kept])
+    dist.all_gather_object(everyone, [record[-1] for record in kept])
     agreed = set.intersection(*(set(keys) for keys in everyone))
-    again, own = [], []
-    for old, args, kwargs, key in kept:
+    again, own, renamed, meshes = [], [], {}, False
+    for kind, old, args, kwargs, key in kept:
         if key not in agreed:
             continue
-        new = make(*args, **kwargs)
-        if old is not c10d.GroupMember.NON_GROUP_MEMBER:
-            own.append((old, new))
-        again.append((new, args, kwargs, key))
+        if kind == "group":
+            new = _unwrapped(c10d.new_group)(*args, **kwargs)
+            if old is not c10d.GroupMember.NON_GROUP_MEMBER:
+                own.append((old, new))
+        else:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            meshes = True
+            new = list(_unwrapped(DeviceMesh._init_process_groups)(*args, **kwargs))
+            by_name = {name: pg for pg, name in c10d._world.pg_names.items()}
+            for (was, pg), now in zip(old, new):
+                if by_name[now] is not c10d._get_default_group():  # (a dimension over
+                    own.append((pg, by_name[now]))  # every rank has the default group)
+                if now != was:  # (names start again from the default group's)
+                    renamed[was] = now
+        again.append((kind, new, args, kwargs, key))
     STATE.extras[_MADE] = again
+    if meshes:
+        _rename_in_meshes(renamed, {name: pg for pg, name in c10d._world.pg_names.items()})
     return own
+
+
+def _unwrapped(func):
+    return getattr(func, "__wrapped__", func)
+
+
+def _rename_in_meshes(renamed: dict[str, str], by_name: dict[str, Any]) -> None:
+    """Every device mesh (a slice's and a flattened one's too) names its groups by their
+    new names (``renamed``: old name -> new, where they differ), and holds the new groups
+    where it holds them by name."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for mesh in gc.get_objects():
+        if not isinstance(mesh, DeviceMesh) or not hasattr(mesh, "_dim_group_names"):
+            continue
+        mesh._dim_group_names = [renamed.get(n, n) for n in mesh._dim_group_names]
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            now = {renamed.get(n, n): pg for n, pg in registry.items()}
+            mesh._pg_registry = {n: by_name.get(n, pg) for n, pg in now.items()}
 
 
 def _signature(make, args: tuple, kwargs: dict) -> tuple | None:
@@ -128,3 +217,20 @@ def _signature(make, args: tuple, kwargs: dict) -> tuple | None:
         str(bound.get("backend")),
         str(bound.get("group_desc")),
     )
+
+
+def _mesh_signature(signature, args: tuple, kwargs: dict) -> tuple | None:
+    """What every rank gave a device mesh alike: its layout, its ranks, the names of its
+    dimensions and their backends (not their options: those print as objects)."""
+    try:
+        given = list(signature.bind(*args, **kwargs).arguments.values())
+        layout, rank_map, names, backends = given
+        return (
+            "mesh",
+            repr(layout),
+            tuple(rank_map.flatten().tolist()),
+            None if names is None else tuple(names),
+            tuple((str(b), o is not None) for b, o in backends),
+        )
+    except Exception:  # (not as torch 2.x gives them: not made again)
+        return None

@@ -86,27 +86,33 @@ def test_a_killed_rank_is_healed_and_training_goes_on_with_every_survivor_kept()
 
 
 def test_a_group_made_with_new_group_works_again_after_a_heal():
-    """The new rank replays the cell that made a group alone (with torch's fake backend);
-    then every rank makes it again over the real default group, in step with the
-    survivors, and a collective on it sums."""
+    """The new rank replays the cell that made a group and a device mesh alone (with
+    torch's fake backend); then every rank makes them again over the real default group,
+    in step with the survivors, and a collective on each sums."""
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
     from notebook_dist.errors import ClusterError
 
     with DistCluster(n=3, config=DistConfig(spare_engines=0)) as c:
-        c.run("sub = dist.new_group([0, 2])").raise_for_errors()
+        c.run(
+            "from torch.distributed.device_mesh import init_device_mesh\n"
+            "sub = dist.new_group([0, 2])\n"
+            "mesh = init_device_mesh('cpu', (1, 3), mesh_dim_names=('dp', 'tp'))"
+        ).raise_for_errors()
         with pytest.raises(ClusterError):
             c.run("import os, signal\nif nd.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)")
         healed = c.heal([])
         assert healed.replayed == 1, healed.text()
         assert (
-            "1 process group made with new_group() or by a device mesh was made again"
+            "2 process groups made with new_group() or by a device mesh were made again"
             in healed.text()
         )
         r = c.run(
-            "t = torch.ones(1)\nif nd.rank != 1:\n    dist.all_reduce(t, group=sub)\nfloat(t)"
+            "t, u = torch.ones(1), torch.ones(1)\nif nd.rank != 1:\n"
+            "    dist.all_reduce(t, group=sub)\ndist.all_reduce(u, group=mesh.get_group('dp'))\n"
+            "dist.all_reduce(u, group=mesh.get_group('tp'))\n(float(t), float(u))"
         )
-        assert dict(r.values) == {0: 2.0, 1: 1.0, 2: 2.0}, r.errors
+        assert dict(r.values) == {0: (2.0, 3.0), 1: (1.0, 3.0), 2: (2.0, 3.0)}, r.errors
 
 
 def test_heal_says_what_it_cannot_do():

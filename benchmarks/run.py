@@ -83,6 +83,12 @@ TARGETS = [
         1.5,
     ),
     (
+        "relay: the same, each cell 50 ms after the last (from an idle kernel)",
+        ("relay", "idle_cell_cpu_s_16_relay_vs_2", "pair_median"),
+        "<=",
+        1.5,
+    ),
+    (
         "relay: empty cell, wall, 16 ranks through the relay / 2 direct",
         ("relay", "cell_s_16_relay_vs_2", "pair_median"),
         "<=",

@@ -376,22 +376,14 @@ step(0)
 FULL_PARAMS = "[p.full_tensor() for p in model.parameters()]"
 
 
+RELEASED_ON_0 = "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)"
+
+
 def test_an_fsdp2_model_trains_on_after_a_release(cluster):
     """fully_shard keeps the group it shards over: after a release rebuilt the default
     group, the model holds the new one and its next step is the step it would have taken
     without the release (the same seeds, the same parameters)."""
-    cluster.run(FSDP2_MODEL).raise_for_errors()
-    r = cluster.run("t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)")
-    assert list(r.errors) == [1] and r.released == [0]
-    cluster.run("step(1)").raise_for_errors()
-    released = cluster.run(FULL_PARAMS).values[0]
-    cluster.run(FSDP2_MODEL + "step(1)").raise_for_errors()  # the same, without a release
-    kept = cluster.run(FULL_PARAMS).values[0]
-    assert all(torch.equal(a, b) for a, b in zip(released, kept, strict=True))
-    assert_recovered(cluster)
-
-
-RELEASED_ON_0 = "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)"
+    _trains_on_after_a_release(cluster, FSDP2_MODEL)
 
 
 def test_an_hsdp_model_on_a_2d_mesh_trains_on_after_a_release():
@@ -403,18 +395,26 @@ def test_an_hsdp_model_on_a_2d_mesh_trains_on_after_a_release():
 
     hsdp = FSDP2_MODEL.replace("(nd.world_size,)", '(2, 2), mesh_dim_names=("replicate", "shard")')
     with DistCluster(n=4, config=DistConfig(spare_engines=0)) as cluster:
-        cluster.run(hsdp).raise_for_errors()
-        out = io.StringIO()
-        assert cluster.run(RELEASED_ON_0, out=out).released == [0, 2, 3]
+        said = _trains_on_after_a_release(cluster, hsdp)
         assert "2 process groups made with new_group() or by a device mesh were made again" in (
-            out.getvalue()
-        ), out.getvalue()
-        cluster.run("step(1)").raise_for_errors()
-        released = cluster.run(FULL_PARAMS).values[0]
-        cluster.run(hsdp + "step(1)").raise_for_errors()  # the same, without a release
-        kept = cluster.run(FULL_PARAMS).values[0]
-        assert all(torch.equal(a, b) for a, b in zip(released, kept, strict=True))
-        assert_recovered(cluster)
+            said
+        ), said
+
+
+def _trains_on_after_a_release(cluster, model: str) -> str:
+    """``model`` (a cell that makes ``model`` and ``step``) takes, after every rank but 1 was
+    released, the very step it takes without a release; what the release said."""
+    cluster.run(model).raise_for_errors()
+    out = io.StringIO()
+    r = cluster.run(RELEASED_ON_0, out=out)
+    assert list(r.errors) == [1] and r.released == [k for k in range(cluster.world_size) if k != 1]
+    cluster.run("step(1)").raise_for_errors()
+    released = cluster.run(FULL_PARAMS).values[0]
+    cluster.run(model + "step(1)").raise_for_errors()  # the same, without a release
+    kept = cluster.run(FULL_PARAMS).values[0]
+    assert all(torch.equal(a, b) for a, b in zip(released, kept, strict=True))
+    assert_recovered(cluster)
+    return out.getvalue()
 
 
 def test_groups_made_with_new_group_are_made_again_after_a_release():

@@ -164,10 +164,10 @@ def default_group():
 
 def rebind_ddp(pairs: list[tuple[Any, Any]]) -> int:
     """DDP modules that used an old group of ``pairs`` (destroyed, made again: the default
-    group, or one made with ``new_group()``) use its new one: their reducer is built anew,
-    as when a DDP module is unpickled, so the survivors' models train on after a rebuild.
-    Every DDP module of the process is found (the namespace's, and those inside other
-    objects). Returns how many were rebound."""
+    group, one made with ``new_group()`` or a device mesh's) use its new one: their reducer
+    is built anew, as when a DDP module is unpickled, so the survivors' models train on
+    after a rebuild. Every DDP module of the process is found (the namespace's, and those
+    inside other objects). Returns how many were rebound."""
     import gc
 
     ddp = sys.modules.get("torch.nn.parallel.distributed")

@@ -38,9 +38,9 @@ def groups_after_rebuild(lost: int, remade: int) -> str:
     if lost:
         one = lost == 1
         said.append(
-            f"{lost} process group{'' if one else 's'} made besides the default one "
-            f"({'its' if one else 'their'} members' alone, or not made alike on every rank) "
-            f"{'is' if one else 'are'} gone: make {'it' if one else 'them'} again."
+            f"{lost} process group{'' if one else 's'} besides the default one "
+            f"{'is' if one else 'are'} gone (made by {'its' if one else 'their'} members "
+            f"alone, or not alike on every rank): make {'it' if one else 'them'} again."
         )
     return " ".join(said)
 

@@ -468,8 +468,8 @@ def _groups_made_again(cluster):
     assert cluster.run(RELEASED_ON_0, out=out).released == [0]
     assert (
         "3 process groups made with new_group() or by a device mesh were made again over the "
-        "same ranks. 1 process group made besides the default one (its members' alone, or not "
-        "made alike on every rank) is gone: make it again." in out.getvalue()
+        "same ranks. 1 process group besides the default one is gone (made by its members "
+        "alone, or not alike on every rank): make it again." in out.getvalue()
     ), out.getvalue()
     # the mesh, and its slice, name the new group of each dimension, and hold it
     summed = cluster.run(

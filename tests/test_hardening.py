@@ -220,15 +220,30 @@ def test_a_taken_port_is_refused_before_anything_starts(live, run):
 
 
 def test_a_chosen_port_is_the_master_port():
-    import socket
-
     from notebook_dist import DistCluster
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _a_port_a_user_would_choose()
     with DistCluster(n=1, port=port) as c:
         assert dict(c.run("import os\nint(os.environ['MASTER_PORT'])").values) == {0: port}
+
+
+def _a_port_a_user_would_choose() -> int:
+    """A free port below the range the system gives connections their own ports from, as
+    torchrun's 29500 is: one the system gave (bound to port 0) can be taken, between this
+    look and the rendezvous, by any connection the cluster opens meanwhile (it was, once)."""
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for port in random.sample(range(max(1024, low - 8000), low), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port between {max(1024, low - 8000)} and {low}")
 
 
 def test_a_missing_python_is_refused_before_anything_starts():

@@ -379,6 +379,16 @@ FULL_PARAMS = "[p.full_tensor() for p in model.parameters()]"
 RELEASED_ON_0 = "t = torch.ones(1)\nif nd.rank == 1:\n    raise ValueError\ndist.all_reduce(t)"
 
 
+def _release(cluster) -> str:
+    """What the notebook says of a cell where rank 1 raised while the others waited for it
+    in a collective (they are released, and the group rebuilt)."""
+    out = io.StringIO()
+    r = cluster.run(RELEASED_ON_0, out=out)
+    others = [k for k in range(cluster.world_size) if k != 1]
+    assert list(r.errors) == [1] and r.released == others, out.getvalue()
+    return out.getvalue()
+
+
 def test_an_fsdp2_model_trains_on_after_a_release(cluster):
     """fully_shard keeps the group it shards over: after a release rebuilt the default
     group, the model holds the new one and its next step is the step it would have taken
@@ -405,16 +415,14 @@ def _trains_on_after_a_release(cluster, model: str) -> str:
     """``model`` (a cell that makes ``model`` and ``step``) takes, after every rank but 1 was
     released, the very step it takes without a release; what the release said."""
     cluster.run(model).raise_for_errors()
-    out = io.StringIO()
-    r = cluster.run(RELEASED_ON_0, out=out)
-    assert list(r.errors) == [1] and r.released == [k for k in range(cluster.world_size) if k != 1]
+    said = _release(cluster)
     cluster.run("step(1)").raise_for_errors()
     released = cluster.run(FULL_PARAMS).values[0]
     cluster.run(model + "step(1)").raise_for_errors()  # the same, without a release
     kept = cluster.run(FULL_PARAMS).values[0]
     assert all(torch.equal(a, b) for a, b in zip(released, kept, strict=True))
     assert_recovered(cluster)
-    return out.getvalue()
+    return said
 
 
 def test_groups_made_with_new_group_are_made_again_after_a_release():
@@ -438,14 +446,13 @@ def _groups_made_again(cluster):
         "    return ddp.module.weight.grad.tolist()\n"
     )
     cluster.run(made).raise_for_errors()
-    out = io.StringIO()
-    assert cluster.run(RELEASED_ON_0, out=out).released == [0]
+    said = _release(cluster)
     assert (
-        "every rank kept its variables and the process group was rebuilt (" in out.getvalue()
+        "every rank kept its variables and the process group was rebuilt (" in said
         and "2 process groups made with new_group() or by a device mesh were made again over the "
         "same ranks.\n"
-        in out.getvalue()
-    ), out.getvalue()
+        in said
+    ), said
     summed = cluster.run(
         "t, u = torch.ones(1), torch.ones(1) * (nd.rank + 1)\n"
         "dist.all_reduce(t, group=held.group)\ndist.all_reduce(u, group=mine)\n"
@@ -464,13 +471,12 @@ def _groups_made_again(cluster):
         "alone = dist.new_group([0, 1], use_local_synchronization=True)\n"
     )
     cluster.run(meshed).raise_for_errors()
-    out = io.StringIO()
-    assert cluster.run(RELEASED_ON_0, out=out).released == [0]
+    said = _release(cluster)
     assert (
         "3 process groups made with new_group() or by a device mesh were made again over the "
         "same ranks. 1 process group besides the default one is gone (made by its members "
-        "alone, or not alike on every rank): make it again." in out.getvalue()
-    ), out.getvalue()
+        "alone, or not alike on every rank): make it again." in said
+    ), said
     # the mesh, and its slice, name the new group of each dimension, and hold it
     summed = cluster.run(
         "t, u, w = torch.ones(1), torch.ones(1), torch.ones(1)\n"
@@ -484,12 +490,11 @@ def _groups_made_again(cluster):
     # (it cannot tell it was destroyed), and a group made after them still is
     cluster.run("dist.destroy_process_group(sub)\ndist.destroy_process_group(mine)")
     cluster.run("later = dist.new_group([0, 1])").raise_for_errors()
-    out = io.StringIO()
-    assert cluster.run(RELEASED_ON_0, out=out).released == [0]
-    assert out.getvalue().endswith(
+    said = _release(cluster)
+    assert said.endswith(
         "2 process groups made with new_group() or by a device mesh were made again over the "
         "same ranks.\n"
-    ), out.getvalue()
+    ), said
     # (the groups destroyed are not made again: the mesh's group takes another name)
     summed = cluster.run(
         "t, u = torch.ones(1), torch.ones(1)\ndist.all_reduce(t, group=later)\n"
@@ -722,16 +727,77 @@ def _rebuild_on_ports(monkeypatch, ports: list[int]):
 
 def test_a_rebuild_that_fails_is_tried_again_on_a_fresh_port(cluster, monkeypatch, taken_port):
     """The port picked for the new group was taken meanwhile (a busy machine hands out
-    ports fast): the rebuild tries again, and the ranks keep their group and variables."""
-    cluster.run("kept = nd.rank + 1").raise_for_errors()
+    ports fast): the rebuild tries again, and the ranks keep their group, the groups made
+    with new_group() (the try that failed had destroyed them) and their variables."""
+    cluster.run("kept = nd.rank + 1\nsub = dist.new_group([0, 1])").raise_for_errors()
     _rebuild_on_ports(monkeypatch, [taken_port])
-    out = io.StringIO()
-    r = cluster.run("nd.faults.raise_on(rank=1, after_s=0.3)", out=out)
-    assert list(r.errors) == [1] and r.released == [0], out.getvalue()
-    assert "every rank kept its variables and the process group was rebuilt" in out.getvalue()
+    said = _release(cluster)
+    assert "every rank kept its variables and the process group was rebuilt" in said
+    assert MADE_AGAIN.search(said) and "gone" not in said, said
     assert cluster.group_lost is None
     assert dict(cluster.run("kept").values) == {0: 1, 1: 2}
+    assert dict(cluster.run(SUM_OVER_SUB).values) == {0: 2.0, 1: 2.0}
     assert_recovered(cluster)
+    cluster.run("dist.destroy_process_group(sub)").raise_for_errors()
+
+
+#: (how many: the module's cluster may hold the groups of the tests before)
+MADE_AGAIN = re.compile(r"process groups? made with new_group\(\) or by a device mesh w")
+SUM_OVER_SUB = "t = torch.ones(1)\ndist.all_reduce(t, group=sub)\nfloat(t)"
+#: rank 1 runs into an error before it meets the others to agree on the groups to make
+#: again, in the rebuild's first try only
+NOT_COMING_ONCE = """
+from notebook_dist.runtime import subgroups
+
+_agreed = subgroups._agreed
+
+
+def not_coming(*args):
+    subgroups._agreed = _agreed
+    raise RuntimeError("not coming")
+
+
+if nd.rank == 1:
+    subgroups._agreed = not_coming
+"""
+
+
+def test_a_rank_that_does_not_come_to_agree_on_the_groups_is_named_and_the_rebuild_retried(
+    cluster, monkeypatch
+):
+    """The others wait for it no longer than the rendezvous, not the group's timeout (5
+    minutes, where a collective would wait): the try fails on every rank, saying which
+    rank did not come, and the next try makes every group again."""
+    from notebook_dist.cluster import recovery
+
+    cluster.run("kept = nd.rank + 1\nsub = dist.new_group([0, 1])").raise_for_errors()
+    cluster.run(NOT_COMING_ONCE).raise_for_errors()
+    _rebuild_on_ports(monkeypatch, [])
+    tries = []
+    real = recovery.rt_recover.reinit
+    original_apply = cluster.apply
+
+    def apply(func, *args, **kwargs):
+        done = original_apply(func, *args, **kwargs)
+        if func is real:
+            tries.append(done)
+        return done
+
+    monkeypatch.setattr(cluster, "apply", apply)
+    t0 = time.perf_counter()
+    said = _release(cluster)
+    assert MADE_AGAIN.search(said) and "gone" not in said, said
+    assert len(tries) == 2, tries
+    assert tries[0][1]["error"] == "RuntimeError: not coming", tries
+    assert tries[0][0]["error"] == (
+        "TimeoutError: rank 1 did not come to agree which other process groups to make "
+        "again within 3 s"
+    ), tries
+    assert time.perf_counter() - t0 < 60  # (the group's timeout is 300 s)
+    assert dict(cluster.run(SUM_OVER_SUB).values) == {0: 2.0, 1: 2.0}
+    assert dict(cluster.run("kept").values) == {0: 1, 1: 2}
+    assert_recovered(cluster)
+    cluster.run("dist.destroy_process_group(sub)").raise_for_errors()
 
 
 def test_a_group_that_could_not_be_rebuilt_is_rebuilt_before_the_next_cell(

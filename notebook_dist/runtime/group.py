@@ -16,6 +16,7 @@ import socket
 import sys
 import traceback
 import types
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -313,13 +314,16 @@ def init_default_group(
     device: str,
     rendezvous_timeout_s: float | None = None,
     store_timeout_s: float | None = None,
-) -> None:
+    then: Callable[[Any], Any] | None = None,
+) -> Any:
     """torch's init_process_group on our loopback-bound store (also after a rebuild).
 
     ``timeout_s`` is the collectives' timeout; ``store_timeout_s`` (default the same) how
     long the store waits once the group is made (``new_group()`` meets in it);
     ``rendezvous_timeout_s`` (default the store's) how long a rank waits for its peers to
-    meet in the store to make this group."""
+    meet in the store to make this group, and in ``then(store)`` (what else is made
+    before the group is in use: the other groups a rebuild makes again), whose result is
+    returned."""
     import torch
 
     store_timeout_s = store_timeout_s or timeout_s
@@ -334,8 +338,11 @@ def init_default_group(
     if backend == "nccl":
         kwargs["device_id"] = torch.device(device)
     torch_init_process_group(**kwargs)
-    if rendezvous_timeout_s:
-        store.set_timeout(timedelta(seconds=store_timeout_s))
+    try:
+        return then(store) if then else None
+    finally:
+        if rendezvous_timeout_s:
+            store.set_timeout(timedelta(seconds=store_timeout_s))
 
 
 #: torch's own collective timeout, as Gloo and NCCL word it

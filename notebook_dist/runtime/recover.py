@@ -346,7 +346,7 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
             own["MASTER_PORT"] = str(master_port)
             os.environ.update(own)  # the cluster's own, whatever a cell set
             remember_preexisting_sockets()
-            group.init_default_group(
+            mine = group.init_default_group(
                 STATE.backend,
                 STATE.rank,
                 STATE.world_size,
@@ -354,8 +354,8 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 STATE.device,
                 rendezvous_timeout_s,
                 STATE.store_timeout_s,
+                then=lambda store: subgroups.remake(kept, store),
             )
-            mine = subgroups.remake(kept)
             pairs = [(old, group.default_group()), *mine]
             rebound = group.rebind_ddp(pairs) + group.rebind_holders(pairs)
             remade = len(mine)

@@ -31,6 +31,9 @@ _COUNT = "groups_counted"
 #: record until the next rebuild, so a cell that makes and destroys groups over and over
 #: would otherwise grow them without end
 KEEP = 4096
+#: the records a rebuild is making again, until it has (a try that failed leaves them to
+#: the next: its groups are destroyed, so :func:`alive` could no longer tell them)
+_HELD = "groups_being_remade"
 #: how deep the rank is inside a device mesh's making (its own new_group calls are the
 #: mesh's, not kept apart)
 _IN_MESH = [0]
@@ -118,15 +121,16 @@ def alive() -> list[tuple]:
     groups as they are now: [(name, group), ...])."""
     import torch.distributed as dist
 
-    made = STATE.extras.pop(_MADE, [])
-    if not dist.is_initialized():
-        return []
-    c10d = dist.distributed_c10d
-    by_name = {name: pg for pg, name in c10d._world.pg_names.items()}
-    return [
-        (kind, [(n, by_name[n]) for n in old] if kind == "mesh" else old, *rest)
-        for kind, old, *rest in _alive(made, c10d)
-    ]
+    made, held = STATE.extras.pop(_MADE, []), STATE.extras.pop(_HELD, [])
+    if dist.is_initialized():
+        c10d = dist.distributed_c10d
+        by_name = {name: pg for pg, name in c10d._world.pg_names.items()}
+        held += [
+            (kind, [(n, by_name[n]) for n in old] if kind == "mesh" else old, *rest)
+            for kind, old, *rest in _alive(made, c10d)
+        ]
+    STATE.extras[_HELD] = held
+    return held
 
 
 def _alive(made: list[tuple], c10d) -> list[tuple]:
@@ -142,17 +146,16 @@ def _alive(made: list[tuple], c10d) -> list[tuple]:
     ]
 
 
-def remake(kept: list[tuple]) -> list[tuple]:
+def remake(kept: list[tuple], store) -> list[tuple]:
     """Make the groups and meshes' groups of ``kept`` (:func:`alive`) again over the
-    rebuilt default group, those whose key every rank kept, in the order made. Returns
-    (old group, new group) for this rank's own groups (those it is a member of), for
-    whatever held the old one (``group.rebind_holders``)."""
+    rebuilt default group, those whose key every rank kept (:func:`_agreed`, in
+    ``store``, the rebuild's), in the order made. Returns (old group, new group) for this
+    rank's own groups (those it is a member of), for whatever held the old one
+    (``group.rebind_holders``)."""
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [record[-1] for record in kept])
-    agreed = set.intersection(*(set(keys) for keys in everyone))
+    agreed = _agreed(store, [record[-1] for record in kept])
     again, own, renamed, meshes = [], [], {}, False
     for kind, old, args, kwargs, key in kept:
         if key not in agreed:
@@ -174,9 +177,33 @@ def remake(kept: list[tuple]) -> list[tuple]:
                     renamed[was] = now
         again.append((kind, new, args, kwargs, key))
     STATE.extras[_MADE] = again
+    STATE.extras.pop(_HELD, None)
     if meshes:
         _rename_in_meshes(renamed, {name: pg for pg, name in c10d._world.pg_names.items()})
     return own
+
+
+def _agreed(store, keys: list[tuple]) -> set[tuple]:
+    """The keys every rank kept, met in the rebuild's store: within its timeout (the
+    rendezvous's), where a collective would wait for the group's (minutes) on a rank that
+    is not coming; such ranks are named."""
+    import pickle
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [f"notebook_dist/kept/{r}" for r in range(world)]
+    store.set(names[rank], pickle.dumps(keys))
+    try:
+        store.wait(names)
+    except Exception:  # (torch's DistStoreError: the store's timeout passed)
+        late = [str(r) for r, name in enumerate(names) if not store.check([name])]
+        raise TimeoutError(
+            f"rank{'s' if len(late) > 1 else ''} {', '.join(late)} did not come to agree "
+            f"which other process groups to make again within {store.timeout.total_seconds():.0f} s"
+        ) from None
+    everyone = [set(pickle.loads(blob)) for blob in store.multi_get(names)]
+    return set.intersection(*everyone)
 
 
 def _unwrapped(func):

@@ -85,6 +85,8 @@ def tell_rank(cluster, rank: int, kind: str, text: str) -> None:
 #: how long ranks wait for each other to meet when the group is rebuilt (they are all
 #: alive and idle by then: a rank that is not there in this time is not coming)
 REBUILD_RENDEZVOUS_S = 30.0
+#: how much longer than that the notebook waits for every rank's answer
+REBUILD_ANSWER_MARGIN_S = 30.0
 
 
 def rebuild_process_group(cluster, attempts: int = 2) -> float:
@@ -102,12 +104,16 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
         try:
             port = rendezvous_port(cluster.processes, cluster.plan)
             done = cluster.apply(
-                rt_recover.reinit, port, REBUILD_RENDEZVOUS_S, timeout=REBUILD_RENDEZVOUS_S + 30
+                rt_recover.reinit,
+                port,
+                REBUILD_RENDEZVOUS_S,
+                timeout=REBUILD_RENDEZVOUS_S + REBUILD_ANSWER_MARGIN_S,
             )
         except Exception as exc:  # no answer from a rank (or an interrupt before reinit ran)
             if attempt < attempts:
                 continue
             why = str(exc) if isinstance(exc, ClusterError) else remote_message(exc)
+            why += rebuild_steps(cluster)
             cluster.group_lost = f"rebuilding it failed {attempts} times ({why})"
             raise ClusterError(why) from None
         voided = max([voided, *(info.get("groups_lost", 0) for info in done.values())])
@@ -128,6 +134,20 @@ def rebuild_process_group(cluster, attempts: int = 2) -> float:
     said = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
     cluster.group_lost = f"rebuilding it failed {attempts} times ({said})"
     raise ClusterError(said)
+
+
+def rebuild_steps(cluster) -> str:
+    """Where each rank still in a rebuild of its group is, and since when (each says so in
+    its control file: ``runtime.state.rebuild_step``), as a clause ("" when none is)."""
+    processes, now, said = cluster.processes, time.time(), []
+    for r in range(cluster.world_size):
+        with contextlib.suppress(Exception):  # (none: that rank is not in a rebuild)
+            text = engines.read_on_host(
+                processes.host_launcher(r), processes.control_file(r, "rebuild")
+            )
+            since, _, step = text.partition(" ")
+            said.append(f"rank {r} was {step} for {now - float(since):.0f} s")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def broken_marks(processes) -> dict[int, str]:

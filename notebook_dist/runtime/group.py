@@ -239,11 +239,17 @@ def _attributes(obj) -> list[tuple[str, Any]]:
 
 
 def destroy_default_group() -> None:
-    """torch's own ``destroy_process_group`` of the default group (ours leaves it alone)."""
+    """torch's own ``destroy_process_group`` of the default group (ours leaves it alone).
+
+    torch names each new group by a count it starts again here, and every rank must name
+    the next group alike; a group whose making failed (a rank not there in time) was
+    counted, on the ranks that got that far: the count starts again then too."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         _originals.get("destroy", dist.destroy_process_group)()
+    with contextlib.suppress(AttributeError):  # (torch's books, as torch 2.x keeps them)
+        dist.distributed_c10d._world.group_count = 0
 
 
 #: rank 0's store sockets, bound and listening before the port was handed to the others
@@ -328,16 +334,21 @@ def init_default_group(
 
     store_timeout_s = store_timeout_s or timeout_s
     store = rendezvous_store(rank, world_size, rendezvous_timeout_s or store_timeout_s)
+    # Gloo's ranks meet for the group's connections within its collectives' timeout (NCCL's
+    # within the store's): within the rendezvous's, then the collectives get theirs
+    meet_s = rendezvous_timeout_s if backend != "nccl" and rendezvous_timeout_s else timeout_s
     kwargs: dict[str, Any] = dict(
         backend=backend,
         store=store,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=min(meet_s, timeout_s)),
     )
     if backend == "nccl":
         kwargs["device_id"] = torch.device(device)
     torch_init_process_group(**kwargs)
+    if meet_s < timeout_s:
+        torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     try:
         return then(store) if then else None
     finally:

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from .state import STATE
+from .state import STATE, rebuild_step
 
 #: held while the agent releases this rank and while the main thread rebuilds the group:
 #: a release that was asked for during a cell can never close a rebuilt group's connections
@@ -328,8 +328,10 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
     from . import group, subgroups
 
     t0 = time.perf_counter()
+    rebuild_step("waiting for its cell or a release to end")
     try:
         with _interrupts_ignored(), _GROUP_LOCK:
+            rebuild_step("destroying the old group")
             if STATE.backend == "nccl":
                 if dist.is_initialized():
                     abort_nccl()
@@ -346,6 +348,7 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
             own["MASTER_PORT"] = str(master_port)
             os.environ.update(own)  # the cluster's own, whatever a cell set
             remember_preexisting_sockets()
+            rebuild_step(f"meeting the others on port {master_port} to make the new group")
             mine = group.init_default_group(
                 STATE.backend,
                 STATE.rank,
@@ -356,12 +359,15 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 STATE.store_timeout_s,
                 then=lambda store: subgroups.remake(kept, store),
             )
+            rebuild_step("giving the new groups to what held the old ones")
             pairs = [(old, group.default_group()), *mine]
             rebound = group.rebind_ddp(pairs) + group.rebind_holders(pairs)
             remade = len(mine)
     except BaseException as exc:  # a Ctrl-C that was pending before the block, too
         said = str(exc).strip().splitlines()
         return {"rank": STATE.rank, "error": f"{type(exc).__name__}: {said[0] if said else ''}"}
+    finally:
+        rebuild_step(None)
     STATE.group_broken = None
     group.clear_broken_mark()
     took = time.perf_counter() - t0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,22 @@ def rank_file(folder: str, kind: str, rank: int, pid: int | None = None) -> str:
     a process that was the rank before cannot write over its successor's. The notebook
     and the rank both name the files with this."""
     return os.path.join(folder, f"{kind}-rank-{rank}" + (f"-{pid}" if pid else ""))
+
+
+def rebuild_step(step: str | None) -> None:
+    """Where this rank is in a rebuild of its group (``recover.reinit``), in its control
+    file of kind ``rebuild``: the notebook reads it when a rank does not answer in time
+    (None: done, the file goes)."""
+    control = STATE.extras.get("control_file")
+    if not control:
+        return
+    path = rank_file(os.path.dirname(control), "rebuild", STATE.rank)
+    with contextlib.suppress(OSError):
+        if step is None:
+            os.remove(path)
+            return
+        with open(path, "w") as f:
+            f.write(f"{time.time():.3f} {step}")
 
 
 def current() -> RankState:

@@ -20,7 +20,7 @@ import contextlib
 import inspect
 from typing import Any
 
-from .state import STATE
+from .state import STATE, rebuild_step
 
 #: what made each group or mesh, in the order made: [(kind, made, args, kwargs, key), ...]
 #: where kind is "group" (made: the group) or "mesh" (made: its groups' names)
@@ -155,7 +155,9 @@ def remake(kept: list[tuple], store) -> list[tuple]:
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
+    rebuild_step("agreeing with the others which other groups to make again")
     agreed = _agreed(store, [record[-1] for record in kept])
+    rebuild_step(f"making {len(agreed)} other groups again")
     again, own, renamed, meshes = [], [], {}, False
     for kind, old, args, kwargs, key in kept:
         if key not in agreed:

@@ -163,24 +163,38 @@ def default_group():
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-def rebind_ddp(pairs: list[tuple[Any, Any]]) -> int:
-    """DDP modules that used an old group of ``pairs`` (destroyed, made again: the default
-    group, one made with ``new_group()`` or a device mesh's) use its new one: their reducer
-    is built anew, as when a DDP module is unpickled, so the survivors' models train on
-    after a rebuild. Every DDP module of the process is found (the namespace's, and those
-    inside other objects). Returns how many were rebound."""
+def instances(*classes) -> list[list]:
+    """Every object of the process that is an instance of each of ``classes`` (None: none
+    asked), in one look through the heap, each type judged once: ``isinstance`` would run a
+    class's own check on every object (a device mesh's reads attributes of each, with
+    torch's warnings: 100 ms for a rank's heap here, against 35 ms for this whole look)."""
     import gc
 
+    wanted = [c for c in classes if c is not None]
+    found: dict[Any, list] = {c: [] for c in wanted}
+    if wanted:
+        judged: dict[type, Any] = {}
+        for obj in gc.get_objects():
+            kind = type(obj)
+            hit = judged.get(kind)
+            if hit is None:
+                hit = judged[kind] = next((c for c in wanted if issubclass(kind, c)), False)
+            if hit:
+                found[hit].append(obj)
+    return [found[c] if c is not None else [] for c in classes]
+
+
+def rebind_ddp(pairs: list[tuple[Any, Any]], modules: list) -> int:
+    """DDP modules of ``modules`` (every one of the process: :func:`instances`) that used
+    an old group of ``pairs`` (destroyed, made again: the default group, one made with
+    ``new_group()`` or a device mesh's) use its new one: their reducer is built anew, as
+    when a DDP module is unpickled, so the survivors' models train on after a rebuild.
+    Returns how many were rebound."""
     ddp = sys.modules.get("torch.nn.parallel.distributed")
     new_for = {id(o): n for o, n in pairs if o is not None and n is not None and n is not o}
     if ddp is None or not new_for:
         return 0
-    found = [
-        m
-        for m in gc.get_objects()
-        if isinstance(m, ddp.DistributedDataParallel)
-        and id(getattr(m, "process_group", None)) in new_for
-    ]
+    found = [m for m in modules if id(getattr(m, "process_group", None)) in new_for]
     for m in found:
         _rebuild_reducer(ddp, m, new_for[id(m.process_group)])
     return len(found)

@@ -315,6 +315,22 @@ def _interrupts_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
+def _rebind(pairs: list[tuple], renamed: dict[str, str] | None) -> int:
+    """Whatever held an old group of ``pairs`` (old, new) holds its new one: DDP modules,
+    and device meshes when a mesh's groups were made again (``renamed``: their names that
+    changed); the heap looked through once for both. Returns how many holders were."""
+    from . import group, subgroups
+
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    mesh = sys.modules.get("torch.distributed.device_mesh") if renamed is not None else None
+    modules, meshes = group.instances(
+        getattr(ddp, "DistributedDataParallel", None), getattr(mesh, "DeviceMesh", None)
+    )
+    if renamed is not None:
+        subgroups.rename_in_meshes(meshes, renamed)
+    return group.rebind_ddp(pairs, modules) + group.rebind_holders(pairs)
+
+
 def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
     """Destroy the (broken) default group and make a fresh one on ``master_port``.
 
@@ -349,7 +365,7 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
             os.environ.update(own)  # the cluster's own, whatever a cell set
             remember_preexisting_sockets()
             rebuild_step(f"meeting the others on port {master_port} to make the new group")
-            mine = group.init_default_group(
+            mine, renamed = group.init_default_group(
                 STATE.backend,
                 STATE.rank,
                 STATE.world_size,
@@ -360,8 +376,7 @@ def reinit(master_port: int, rendezvous_timeout_s: float | None = None) -> dict:
                 then=lambda store: subgroups.remake(kept, store),
             )
             rebuild_step("giving the new groups to what held the old ones")
-            pairs = [(old, group.default_group()), *mine]
-            rebound = group.rebind_ddp(pairs) + group.rebind_holders(pairs)
+            rebound = _rebind([(old, group.default_group()), *mine], renamed)
             remade = len(mine)
     except BaseException as exc:  # a Ctrl-C that was pending before the block, too
         said = str(exc).strip().splitlines()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any
 
 from .state import STATE, rebuild_step
 
@@ -146,12 +145,13 @@ def _alive(made: list[tuple], c10d) -> list[tuple]:
     ]
 
 
-def remake(kept: list[tuple], store) -> list[tuple]:
+def remake(kept: list[tuple], store) -> tuple[list[tuple], dict[str, str] | None]:
     """Make the groups and meshes' groups of ``kept`` (:func:`alive`) again over the
     rebuilt default group, those whose key every rank kept (:func:`_agreed`, in
     ``store``, the rebuild's), in the order made. Returns (old group, new group) for this
     rank's own groups (those it is a member of), for whatever held the old one
-    (``group.rebind_holders``)."""
+    (``group.rebind_holders``); and, when a mesh's groups were made again, their names that
+    changed (old -> new), for :func:`rename_in_meshes` (else None)."""
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
@@ -180,9 +180,7 @@ def remake(kept: list[tuple], store) -> list[tuple]:
         again.append((kind, new, args, kwargs, key))
     STATE.extras[_MADE] = again
     STATE.extras.pop(_HELD, None)
-    if meshes:
-        _rename_in_meshes(renamed, {name: pg for pg, name in c10d._world.pg_names.items()})
-    return own
+    return own, renamed if meshes else None
 
 
 def _agreed(store, keys: list[tuple]) -> set[tuple]:
@@ -212,16 +210,15 @@ def _unwrapped(func):
     return getattr(func, "__wrapped__", func)
 
 
-def _rename_in_meshes(renamed: dict[str, str], by_name: dict[str, Any]) -> None:
-    """Every device mesh (a slice's and a flattened one's too) names its groups by their
-    new names (``renamed``: old name -> new, where they differ), and holds the new groups
-    where it holds them by name."""
-    import gc
+def rename_in_meshes(meshes: list, renamed: dict[str, str]) -> None:
+    """Every device mesh of ``meshes`` (a slice's and a flattened one's too) names its
+    groups by their new names (``renamed``: old name -> new, where they differ), and holds
+    the new groups where it holds them by name."""
+    import torch.distributed as dist
 
-    from torch.distributed.device_mesh import DeviceMesh
-
-    for mesh in gc.get_objects():
-        if not isinstance(mesh, DeviceMesh) or not hasattr(mesh, "_dim_group_names"):
+    by_name = {name: pg for pg, name in dist.distributed_c10d._world.pg_names.items()}
+    for mesh in meshes:
+        if not hasattr(mesh, "_dim_group_names"):
             continue
         mesh._dim_group_names = [renamed.get(n, n) for n in mesh._dim_group_names]
         registry = getattr(mesh, "_pg_registry", None)

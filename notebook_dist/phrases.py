@@ -39,8 +39,8 @@ def groups_after_rebuild(lost: int, remade: int) -> str:
         one = lost == 1
         said.append(
             f"{lost} process group{'' if one else 's'} besides the default one "
-            f"{'is' if one else 'are'} gone (made by {'its' if one else 'their'} members "
-            f"alone, or not alike on every rank): make {'it' if one else 'them'} again."
+            f"{'is' if one else 'are'} gone (not made alike on every rank): make "
+            f"{'it' if one else 'them'} again."
         )
     return " ".join(said)
 

@@ -429,7 +429,8 @@ def test_groups_made_with_new_group_are_made_again_after_a_release():
     """A rebuild of the default group voids every other group: those made with new_group()
     are made again, in the same order on every rank, and whatever held one (a variable, an
     attribute, a DDP module, whose reducer is made anew) holds its new one; so are a device
-    mesh's, and the mesh names them; a group made by its members alone is said to be gone.
+    mesh's, and the mesh names them, and a group made by its members alone, by them; a group
+    not made alike on every rank is said to be gone.
     (A cluster of its own: the module's may hold groups that earlier tests made.)"""
     from notebook_dist.config import DistConfig
 
@@ -469,30 +470,38 @@ def _groups_made_again(cluster):
         "mesh = init_device_mesh('cpu', (1, 2), mesh_dim_names=('dp', 'tp'))\n"
         "dp, dp_group = mesh['dp'], mesh.get_group('dp')\n"
         "alone = dist.new_group([0, 1], use_local_synchronization=True)\n"
+        "solo = dist.new_group([nd.rank], use_local_synchronization=True)\n"
+        "odd = dist.new_group([0, 1], group_desc=f'asked otherwise on rank {nd.rank}')\n"
     )
     cluster.run(meshed).raise_for_errors()
     said = _release(cluster)
     assert (
-        "3 process groups made with new_group() or by a device mesh were made again over the "
-        "same ranks. 1 process group besides the default one is gone (made by its members "
-        "alone, or not alike on every rank): make it again." in said
+        "5 process groups made with new_group() or by a device mesh were made again over the "
+        "same ranks. 1 process group besides the default one is gone (not made alike on every "
+        "rank): make it again." in said
     ), said
-    # the mesh, and its slice, name the new group of each dimension, and hold it
+    # the mesh, and its slice, name the new group of each dimension, and hold it; the groups
+    # made by their members alone are theirs again
     summed = cluster.run(
         "t, u, w = torch.ones(1), torch.ones(1), torch.ones(1)\n"
         "dist.all_reduce(t, group=mesh.get_group('dp'))\ndist.all_reduce(u, group=dp.get_group())\n"
         "dist.all_reduce(w, group=mesh.get_group('tp'))\n"
+        "a, s = torch.ones(1), torch.ones(1)\n"
+        "dist.all_reduce(a, group=alone)\ndist.all_reduce(s, group=solo)\n"
         "(float(t), float(u), float(w), dp_group is mesh.get_group('dp'), "
-        "dist.get_process_group_ranks(dp_group))"
+        "dist.get_process_group_ranks(dp_group), float(a), float(s))"
     )
-    assert dict(summed.values) == {0: (1.0, 1.0, 2.0, True, [0]), 1: (1.0, 1.0, 2.0, True, [1])}
+    assert dict(summed.values) == {
+        0: (1.0, 1.0, 2.0, True, [0], 2.0, 1.0),
+        1: (1.0, 1.0, 2.0, True, [1], 2.0, 1.0),
+    }
     # groups destroyed are not made again, not even by the rank that was no member of one
     # (it cannot tell it was destroyed), and a group made after them still is
     cluster.run("dist.destroy_process_group(sub)\ndist.destroy_process_group(mine)")
     cluster.run("later = dist.new_group([0, 1])").raise_for_errors()
     said = _release(cluster)
     assert said.endswith(
-        "2 process groups made with new_group() or by a device mesh were made again over the "
+        "4 process groups made with new_group() or by a device mesh were made again over the "
         "same ranks.\n"
     ), said
     # (the groups destroyed are not made again: the mesh's group takes another name)

@@ -10,8 +10,9 @@ started, counted the same on every rank, a heal's new rank replaying the cells i
 and what it was asked (a group's ranks, backend and description; a mesh's layout, ranks,
 dimension names and backends). The ranks make again those whose key every rank kept: a
 member drops the key of a group it destroyed, and so a rank that was no member of it,
-which cannot tell, does not make it again either. The rest are said to be gone, as is a
-group made only by its members (``use_local_synchronization=True``).
+which cannot tell, does not make it again either. A group made by its members alone
+(``use_local_synchronization=True``) is kept by them only, under what they asked, and made
+again by them if every one of them kept it. The rest are said to be gone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ _COUNT = "groups_counted"
 #: record until the next rebuild, so a cell that makes and destroys groups over and over
 #: would otherwise grow them without end
 KEEP = 4096
+#: a key's first half for a group made by its members alone (they alone make it again)
+_LOCAL = "made by its members"
 #: the records a rebuild is making again, until it has (a try that failed leaves them to
 #: the next: its groups are destroyed, so :func:`alive` could no longer tell them)
 _HELD = "groups_being_remade"
@@ -91,11 +94,18 @@ def _install_mesh(c10d) -> None:
 
 
 def _keep(c10d, kind: str, made, args: tuple, kwargs: dict, asked: tuple | None) -> None:
-    """Keep a record of what was made (nothing for what is not made again: ``asked`` None)."""
+    """Keep a record of what was made (nothing for what is not made again: ``asked`` None).
+    A group made by its members alone (``use_local_synchronization=True``) is not counted:
+    the other ranks do not make it; its members key it by what they asked alike."""
     if asked is None:
         return
-    count = STATE.extras.get(_COUNT, 0)
-    STATE.extras[_COUNT] = count + 1
+    if asked[0] == _LOCAL:
+        count, asked = _LOCAL, asked[1:]
+        if made is c10d.GroupMember.NON_GROUP_MEMBER:
+            return
+    else:
+        count = STATE.extras.get(_COUNT, 0)
+        STATE.extras[_COUNT] = count + 1
     # (the records of groups destroyed since go: a cell that makes and destroys groups over
     # and over keeps no more than it has, where it is a member)
     kept = _alive(STATE.extras.get(_MADE, []), c10d)[-(KEEP - 1) :]
@@ -203,7 +213,13 @@ def _agreed(store, keys: list[tuple]) -> set[tuple]:
             f"which other process groups to make again within {store.timeout.total_seconds():.0f} s"
         ) from None
     everyone = [set(pickle.loads(blob)) for blob in store.multi_get(names)]
-    return set.intersection(*everyone)
+    agreed = set.intersection(*everyone)
+    for count, asked in everyone[rank]:  # a group made by its members alone: they kept it
+        if count == _LOCAL:
+            members = range(world) if asked[0] is None else asked[0]
+            if all((count, asked) in everyone[m] for m in members):
+                agreed.add((count, asked))
+    return agreed
 
 
 def _unwrapped(func):
@@ -229,20 +245,19 @@ def rename_in_meshes(meshes: list, renamed: dict[str, str]) -> None:
 
 def _signature(make, args: tuple, kwargs: dict) -> tuple | None:
     """What every rank must have asked the same of ``new_group`` (its ranks, backend and
-    description), or None for a group that is not made again (made by its members alone,
-    or asked what ``new_group`` refused)."""
+    description), first marked :data:`_LOCAL` for a group made by its members alone; or
+    None for a group that is not made again (asked what ``new_group`` refused)."""
     try:
         bound = inspect.signature(make).bind(*args, **kwargs).arguments
     except TypeError:
         return None
-    if bound.get("use_local_synchronization"):
-        return None
     ranks = bound.get("ranks")
-    return (
+    asked = (
         None if ranks is None else tuple(sorted(ranks)),
         str(bound.get("backend")),
         str(bound.get("group_desc")),
     )
+    return (_LOCAL, *asked) if bound.get("use_local_synchronization") else asked
 
 
 def _mesh_signature(signature, args: tuple, kwargs: dict) -> tuple | None:

@@ -169,28 +169,60 @@ def remake(kept: list[tuple], store) -> tuple[list[tuple], dict[str, str] | None
     agreed = _agreed(store, [record[-1] for record in kept])
     rebuild_step(f"making {len(agreed)} other groups again")
     again, own, renamed, meshes = [], [], {}, False
-    for kind, old, args, kwargs, key in kept:
-        if key not in agreed:
-            continue
-        if kind == "group":
-            new = _unwrapped(c10d.new_group)(*args, **kwargs)
-            if old is not c10d.GroupMember.NON_GROUP_MEMBER:
-                own.append((old, new))
-        else:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            meshes = True
-            new = list(_unwrapped(DeviceMesh._init_process_groups)(*args, **kwargs))
-            by_name = {name: pg for pg, name in c10d._world.pg_names.items()}
-            for (was, pg), now in zip(old, new):
-                if by_name[now] is not c10d._get_default_group():  # (a dimension over
-                    own.append((pg, by_name[now]))  # every rank has the default group)
-                if now != was:  # (names start again from the default group's)
-                    renamed[was] = now
-        again.append((kind, new, args, kwargs, key))
+    with _meeting_within(c10d, store.timeout):
+        for kind, old, args, kwargs, key in kept:
+            if key in agreed:
+                new = _made_again(c10d, kind, old, args, kwargs, own, renamed)
+                again.append((kind, new, args, kwargs, key))
+                meshes = meshes or kind == "mesh"
     STATE.extras[_MADE] = again
     STATE.extras.pop(_HELD, None)
     return own, renamed if meshes else None
+
+
+def _made_again(c10d, kind: str, old, args: tuple, kwargs: dict, own: list, renamed: dict):
+    """The group or mesh's groups of one record made again (see :func:`remake`): what the
+    record keeps of them; this rank's (old, new) groups added to ``own``, and a mesh's group
+    names that changed to ``renamed``."""
+    if kind == "group":
+        new = _unwrapped(c10d.new_group)(*args, **kwargs)
+        if old is not c10d.GroupMember.NON_GROUP_MEMBER:
+            own.append((old, new))
+        return new
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = list(_unwrapped(DeviceMesh._init_process_groups)(*args, **kwargs))
+    by_name = {name: pg for pg, name in c10d._world.pg_names.items()}
+    for (was, pg), now in zip(old, names):
+        if by_name[now] is not c10d._get_default_group():  # (a dimension over every
+            own.append((pg, by_name[now]))  # rank has the default group)
+        if now != was:  # (names start again from the default group's)
+            renamed[was] = now
+    return names
+
+
+@contextlib.contextmanager
+def _meeting_within(c10d, within):
+    """The groups made in the block meet (their members connect) within ``within`` (the
+    rendezvous's timeout), then get the timeout they were asked for: Gloo's members wait
+    for each other that long (torch's default, 30 minutes), so one that failed to make a
+    group would hold the others there."""
+    helper = c10d._new_process_group_helper
+
+    def meeting(*args, **kwargs):
+        asked = kwargs.get("timeout")
+        if asked is None or asked <= within:
+            return helper(*args, **kwargs)
+        made = helper(*args, **{**kwargs, "timeout": within})
+        if isinstance(made[0], c10d.ProcessGroup):  # (a member)
+            c10d._set_pg_timeout(asked, made[0])
+        return made
+
+    c10d._new_process_group_helper = meeting
+    try:
+        yield
+    finally:
+        c10d._new_process_group_helper = helper
 
 
 def _agreed(store, keys: list[tuple]) -> set[tuple]:

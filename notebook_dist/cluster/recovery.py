@@ -140,13 +140,13 @@ def rebuild_steps(cluster) -> str:
     """Where each rank still in a rebuild of its group is, and since when (each says so in
     its control file: ``runtime.state.rebuild_step``), as a clause ("" when none is)."""
     processes, now, said = cluster.processes, time.time(), []
-    for r in range(cluster.world_size):
+    for r in cluster.ranks:
         with contextlib.suppress(Exception):  # (none: that rank is not in a rebuild)
             text = engines.read_on_host(
-                processes.host_launcher(r), processes.control_file(r, "rebuild")
+                processes.host_launcher(r.rank), processes.control_file(r.rank, "rebuild", r.pid)
             )
             since, _, step = text.partition(" ")
-            said.append(f"rank {r} was {step} for {now - float(since):.0f} s")
+            said.append(f"rank {r.rank} was {step} for {now - float(since):.0f} s")
     return f" ({'; '.join(said)})" if said else ""
 
 

@@ -67,12 +67,13 @@ def rank_file(folder: str, kind: str, rank: int, pid: int | None = None) -> str:
 
 def rebuild_step(step: str | None) -> None:
     """Where this rank is in a rebuild of its group (``recover.reinit``), in its control
-    file of kind ``rebuild``: the notebook reads it when a rank does not answer in time
+    file of kind ``rebuild``, this process's own (one that was the rank before and died in
+    a rebuild left its file): the notebook reads it when a rank does not answer in time
     (None: done, the file goes)."""
     control = STATE.extras.get("control_file")
     if not control:
         return
-    path = rank_file(os.path.dirname(control), "rebuild", STATE.rank)
+    path = rank_file(os.path.dirname(control), "rebuild", STATE.rank, os.getpid())
     with contextlib.suppress(OSError):
         if step is None:
             os.remove(path)

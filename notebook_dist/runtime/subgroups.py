@@ -203,15 +203,16 @@ def _made_again(c10d, kind: str, old, args: tuple, kwargs: dict, own: list, rena
 
 @contextlib.contextmanager
 def _meeting_within(c10d, within):
-    """The groups made in the block meet (their members connect) within ``within`` (the
-    rendezvous's timeout), then get the timeout they were asked for: Gloo's members wait
-    for each other that long (torch's default, 30 minutes), so one that failed to make a
-    group would hold the others there."""
+    """The Gloo groups made in the block meet (their members connect) within ``within``
+    (the rendezvous's timeout), then get the timeout they were asked for: Gloo's members
+    wait for each other that long (torch's default, 30 minutes), so one that failed to make
+    a group would hold the others there. (NCCL's meet in the store, within its timeout.)"""
     helper = c10d._new_process_group_helper
 
     def meeting(*args, **kwargs):
         asked = kwargs.get("timeout")
-        if asked is None or asked <= within:
+        backend = str(kwargs.get("backend", args[3] if len(args) > 3 else "")).lower()
+        if asked is None or asked <= within or "nccl" in backend:
             return helper(*args, **kwargs)
         made = helper(*args, **{**kwargs, "timeout": within})
         if isinstance(made[0], c10d.ProcessGroup):  # (a member)

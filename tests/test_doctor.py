@@ -820,13 +820,12 @@ def _fails_once_then_rebuilt(cluster, monkeypatch, step: str) -> dict:
         return done
 
     monkeypatch.setattr(cluster, "apply", apply)
-    t0 = time.perf_counter()
     said = _release(cluster)
     assert MADE_AGAIN.search(said) and "gone" not in said, said
     assert len(tries) == 2, tries
+    # (a rank that waited the group's timeout, 300 s or torch's 30 minutes, would run past
+    # pytest's timeout before this)
     assert tries[0][1]["error"] == "RuntimeError: not coming", tries
-    # (the default group's timeout is 300 s, torch's default for a new_group() 30 minutes)
-    assert time.perf_counter() - t0 < 60
     assert dict(cluster.run(SUM_OVER_SUB).values) == {0: 2.0, 1: 2.0}
     assert dict(cluster.run("kept").values) == {0: 1, 1: 2}
     assert_recovered(cluster)

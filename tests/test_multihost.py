@@ -239,6 +239,33 @@ def ssh_cluster(hosts, ip):
             )
 
 
+def test_control_files_on_other_hosts_are_written_and_read_side_by_side():
+    """A release or a rebuild's steps wait on ssh once per host: those hosts side by side
+    (two remote calls meet at a barrier that one after another never would), this machine's
+    in turn, and each call's result or error in the order asked."""
+    import threading
+
+    from notebook_dist.cluster.engines import on_hosts
+
+    meet, order = threading.Barrier(2, timeout=20), []
+
+    def remote(el, text):
+        meet.wait()
+        return f"{el}:{text}"
+
+    def local(el, text):
+        order.append(text)
+        if text == "bad":
+            raise OSError("no such file")
+        return text
+
+    done = on_hosts(
+        [("node1", remote, "a"), (None, local, "b"), ("node2", remote, "c"), (None, local, "bad")]
+    )
+    assert done[:3] == ["node1:a", "b", "node2:c"] and order == ["b", "bad"]
+    assert isinstance(done[3], OSError) and str(done[3]) == "no such file"
+
+
 def test_two_hosts_meet_over_the_network(ssh_cluster, no_current, run):
     profile, cluster_id = ssh_cluster
     out = run(f"%dist_init --profile {profile} --cluster-id {cluster_id}")

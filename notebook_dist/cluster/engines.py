@@ -101,6 +101,27 @@ def read_on_host(el, path: str) -> str:
     )
 
 
+def on_hosts(calls: list) -> list:
+    """Each ``(el, func, *args)`` called, in order: those on this machine (``el`` None) here,
+    one after another, those on other hosts side by side (each waits on ssh). Returns each
+    call's result, or the exception it raised."""
+
+    def one(call):
+        try:
+            return call[1](call[0], *call[2:])
+        except Exception as e:  # (said by the caller, which knows what it asked)
+            return e
+
+    done = {i: one(c) for i, c in enumerate(calls) if c[0] is None}
+    remote = [i for i, c in enumerate(calls) if c[0] is not None]
+    if remote:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(remote)) as pool:
+            done.update(zip(remote, pool.map(one, [calls[i] for i in remote])))
+    return [done[i] for i in range(len(calls))]
+
+
 def remove_remote_dirs(launchers, also: str | None = None) -> None:
     """Remove the folders ssh launchers made on each host: its profile folder and ``also``
     (the cluster's own folder, which the ranks make there for their control files)."""

@@ -62,17 +62,13 @@ def release_collectives(cluster, ranks: list[int], token: str) -> None:
     """Ask the ranks' agents to release them from their collectives, for the cell ``token``
     only: through a control file on each rank's host (here, or written there over ssh)."""
     processes = cluster.processes
-    writes = [(processes.host_launcher(r), processes.control_file(r)) for r in ranks]
-    for el, path in writes:
-        if el is None:
-            engines.write_on_host(None, path, token)
-    remote = [(el, path) for el, path in writes if el is not None]
-    if remote:  # ranks on other hosts: the hosts side by side
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(remote)) as pool:
-            for el, path in remote:
-                pool.submit(engines.write_on_host, el, path, token)
+    writes = [
+        (processes.host_launcher(r), engines.write_on_host, processes.control_file(r), token)
+        for r in ranks
+    ]
+    for (el, *_), done in zip(writes, engines.on_hosts(writes)):
+        if el is None and isinstance(done, Exception):  # (a host that ssh cannot reach: its
+            raise done  # rank stays in its collective, and is then said to be stuck)
 
 
 def tell_rank(cluster, rank: int, kind: str, text: str) -> None:
@@ -140,12 +136,17 @@ def rebuild_steps(cluster) -> str:
     """Where each rank still in a rebuild of its group is, and since when (each says so in
     its control file: ``runtime.state.rebuild_step``), as a clause ("" when none is)."""
     processes, now, said = cluster.processes, time.time(), []
-    for r in cluster.ranks:
-        with contextlib.suppress(Exception):  # (none: that rank is not in a rebuild)
-            text = engines.read_on_host(
-                processes.host_launcher(r.rank), processes.control_file(r.rank, "rebuild", r.pid)
-            )
-            since, _, step = text.partition(" ")
+    reads = [
+        (
+            processes.host_launcher(r.rank),
+            engines.read_on_host,
+            processes.control_file(r.rank, "rebuild", r.pid),
+        )
+        for r in cluster.ranks
+    ]
+    for r, text in zip(cluster.ranks, engines.on_hosts(reads)):
+        since, _, step = ("", "", "") if isinstance(text, Exception) else text.partition(" ")
+        with contextlib.suppress(ValueError):  # (no file: that rank is not in a rebuild)
             said.append(f"rank {r.rank} was {step} for {now - float(since):.0f} s")
     return f" ({'; '.join(said)})" if said else ""
 

@@ -186,6 +186,20 @@ def test_the_fork_server_starts_engines_only_and_ends_when_its_input_closes(tmp_
         server.stdout.close()
 
 
+def forked_before_the_controller_was_ready(c) -> bool:
+    """Whether the cluster's first engine was forked before its controller wrote the file
+    engines connect by (a process's start is read in clock ticks after boot)."""
+    import glob
+    import time
+
+    from notebook_dist.signals import start_time
+
+    [path] = glob.glob(os.path.join(c.processes.profile_dir, "security", "*-engine.json"))
+    after_boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    forked = min(int(start_time(r.pid)) for r in c.ranks) / os.sysconf("SC_CLK_TCK")
+    return forked + after_boot < os.path.getmtime(path)
+
+
 def test_a_server_started_ahead_is_taken_by_the_first_cluster_of_its_environment():
     """``%load_ext`` starts the fork server ahead: the next cluster's ranks are its
     children, its log joins the cluster's, and it ends with the cluster."""
@@ -201,6 +215,9 @@ def test_a_server_started_ahead_is_taken_by_the_first_cluster_of_its_environment
     with DistCluster(n=2, config=config) as c:
         assert c.processes.forks is server
         assert {v[0] for v in c.run(WHO).values.values()} == {server.pid}
+        # (ready, it forks the engines while the controller starts, not after the client
+        # connected to it, and they wait for its file)
+        assert forked_before_the_controller_was_ready(c)
         assert server.log_file.startswith(c.processes.profile_dir) and os.path.exists(
             server.log_file
         )
@@ -225,6 +242,9 @@ def test_a_server_started_ahead_loads_what_ranks_load_later_while_it_waits(waite
         assert server.idle_preloaded.wait(120), "the waiting server did not load by itself"
     with DistCluster(n=2, config=config) as c:
         assert c.processes.forks is server
+        # (still importing torch, it forks them once the client has connected, as a server
+        # started with the cluster does: the client's own start is not held up by the forks)
+        assert forked_before_the_controller_was_ready(c) == waited
         r = c.run(FIRST_OPTIMIZER)
         assert not r.errors
         for was, loaded in r.values.values():
@@ -327,3 +347,70 @@ def test_a_script_that_imports_notebook_dist_starts_the_fork_server_first():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["[]", "server first: True False", "{0: 0, 1: 1}"]
+
+
+@pytest.mark.parametrize("idle_preload_s", [60.0, 0.0])
+def test_a_server_taken_while_it_may_load_by_itself_forks_after_the_client(
+    tmp_path, idle_preload_s
+):
+    """A server started ahead forks a cluster's engines at once only when nothing queues
+    before the forks: not while it may have begun to load what ranks load later by itself
+    (it was ready longer than its ``--preload-when-idle``), and not when the cluster wants
+    that load and it has not made it."""
+    from notebook_dist.cluster.forks import ForkServer
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    server = ForkServer(sys.executable, env, str(tmp_path / "forks.log"), 120, idle_preload_s)
+    try:
+        server.wait_ready(120)
+        server.taken()
+        assert server.forks_now(preload=False) == (idle_preload_s > 0)
+        assert not server.forks_now(preload=True)
+    finally:
+        server.close()
+    assert wait_until(lambda: not pids_alive([server.pid]), 10)
+
+
+def test_an_engine_started_before_its_controller_takes_the_file_once_it_is_whole(tmp_path):
+    """An engine forked while its controller starts looks for the controller's connection
+    file more often than ipyparallel's engine (every 0.1 s), takes it only once it reads as
+    whole JSON, and past ``wait_for_url_file`` goes on to ipyparallel's own check, which
+    says that it never arrived."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from notebook_dist.runtime.engine import controller_file_sooner
+
+    seen = []
+
+    class IPEngine:
+        connection_info_env = ""
+        url_file = ""
+
+        def __init__(self, url_file, wait_s):
+            self.path, self.wait_for_url_file = url_file, wait_s
+
+        def find_connection_file(self):
+            self.url_file = self.path
+
+        def init_engine(self):
+            seen.append(open(self.url_file).read() if os.path.exists(self.url_file) else None)
+
+    app = SimpleNamespace(IPEngine=IPEngine)
+    controller_file_sooner(app)
+    path = tmp_path / "ipcontroller-engine.json"
+
+    def controller():
+        time.sleep(0.2)
+        path.write_text('{"interface": ')  # (as if caught in the middle of its writing)
+        time.sleep(0.2)
+        path.write_text('{"interface": "tcp://127.0.0.1"}')
+
+    writer = threading.Thread(target=controller)
+    writer.start()
+    app.IPEngine(str(path), 30).init_engine()
+    writer.join()
+    assert seen == ['{"interface": "tcp://127.0.0.1"}']
+    app.IPEngine(str(tmp_path / "never.json"), 0.05).init_engine()
+    assert seen[-1] is None

@@ -18,8 +18,15 @@ import time
 
 # No nanny process per engine: ranks are signalled by pid (one process fewer per rank
 # to start and to clean up).
-def engine_cmd(python: str = sys.executable, remote: bool = False) -> list[str]:
+def engine_cmd(
+    python: str = sys.executable, remote: bool = False, wait_s: float | None = None
+) -> list[str]:
+    """``wait_s``: how long an engine waits for its controller's connection file (a local
+    cluster's engines can start while the controller does: ``processes.Processes.start``);
+    ipyparallel's engine gives up after 10 s."""
     cmd = [python, "-m", "notebook_dist.runtime.engine", "--IPEngine.enable_nanny=False"]
+    if wait_s is not None:
+        cmd.append(f"--IPEngine.wait_for_url_file={wait_s:g}")
     if remote:
         # on another host no reaper of ours can end the engine: it ends itself when the
         # controller's heartbeat is gone for 15 checks (9 s at our 100 ms period; 40 s

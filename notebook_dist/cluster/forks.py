@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import psutil
 
@@ -49,6 +50,9 @@ class ForkServer:
         self._preloaded = False
         #: set when the server loaded, by itself while it waited, what ranks load later
         self.idle_preloaded = threading.Event()
+        self._idle_preload_s = idle_preload_s
+        self._ready_at: float | None = None  # (time.monotonic() when it said it was ready)
+        self._loading_by_itself = False  # (it may have begun that load when it was taken)
         self._log = open(log_file, "ab")
         idle = [] if idle_preload_s is None else ["--preload-when-idle", str(idle_preload_s)]
         self.popen = subprocess.Popen(
@@ -86,6 +90,7 @@ class ForkServer:
             with self._lock:
                 if "ready" in message:
                     self.failed = message.get("failed") or []
+                    self._ready_at = time.monotonic()
                     self._ready.set()
                 elif "forked" in message:
                     self._said[message["forked"]] = message
@@ -119,6 +124,25 @@ class ForkServer:
         self.wait_ready(timeout)
         return not self.failed
 
+    def forks_now(self, preload: bool) -> bool:
+        """Whether an engine asked for now is forked at once: the server has imported what
+        engines need and is loading nothing more (with ``preload``: it has loaded what ranks
+        load later, by itself, as a server started ahead does while it waits)."""
+        with self._lock:
+            loaded = self._ready.is_set() and not self.gone and not self.failed
+        if self.idle_preloaded.is_set():
+            return loaded
+        return loaded and not preload and not self._loading_by_itself
+
+    def _may_load_by_itself(self) -> bool:
+        """Whether the server, started ahead, may have begun to load what ranks load later
+        by itself (it does once it has waited its ``--preload-when-idle`` since it was
+        ready; what it is asked before that cancels it)."""
+        if self._idle_preload_s is None or self._ready_at is None:
+            return False
+        # (a margin for the request's way to the server)
+        return time.monotonic() - self._ready_at > self._idle_preload_s - TAKEN_MARGIN_S
+
     def wait_ready(self, timeout: float) -> None:
         if not self._ready.wait(timeout) or (self.gone and not self.failed):
             why = "exited" if self.gone else f"did not import torch within {timeout:.0f} s"
@@ -148,6 +172,8 @@ class ForkServer:
     def taken(self) -> None:
         """A cluster took the server started ahead: it loads nothing more by itself (the
         cluster's ``preload_ranks`` decides), unless it already began to."""
+        with self._lock:
+            self._loading_by_itself = self._may_load_by_itself()
         self._send({"taken": True})
 
     def preload(self) -> None:
@@ -214,6 +240,10 @@ def _log_file(profile_dir: str) -> str:
     os.makedirs(os.path.join(profile_dir, "log"), exist_ok=True)
     return os.path.join(profile_dir, "log", "forkserver.log")
 
+
+#: how much sooner than its ``--preload-when-idle`` a server taken is thought to have begun
+#: loading by itself (:meth:`ForkServer.forks_now`)
+TAKEN_MARGIN_S = 0.05
 
 #: the fork server started ahead of any cluster, until a cluster takes it or it is ended
 _AHEAD: ForkServer | None = None

@@ -58,7 +58,10 @@ class Launcher:
         return {}
 
     def engine_cmd(self) -> list[str]:
-        return engines.engine_cmd(self.config.python, remote=self.remote)
+        # (forked engines can start while the controller does: they wait for it as long as
+        # the kernel waits for them)
+        wait_s = self.config.start_timeout_s if self.forks_engines else None
+        return engines.engine_cmd(self.config.python, remote=self.remote, wait_s=wait_s)
 
     def controller_ip(self) -> str:
         return "127.0.0.1" if self.config.loopback_only else ""

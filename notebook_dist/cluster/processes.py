@@ -90,8 +90,12 @@ class Processes:
         controller = self._record(cluster.controller, "controller")
         if controller is not None:
             self.reaper.watch(controller, anchor=True)
-        # the client connects, and imports what its first call needs, while the fork server
-        # still imports torch (engines that register before it connects are in its list)
+        # a fork server with nothing left to load (started ahead): the engines are forked
+        # while the controller starts, and wait for its file. Else the client connects, and
+        # imports what its first call needs, while the server still imports torch (engines
+        # that register before it connects are in its list)
+        early = self.forks is not None and self.forks.forks_now(self.config.preloads(n))
+        started = self._start_engines(n) if early else None
         self.client = client = cluster.connect_client_sync()
         if self.config.direct_lane and self.config.loopback_only and not launcher.remote:
             from .lane import Lane
@@ -99,19 +103,7 @@ class Processes:
             self.lane = Lane(client, "127.0.0.1")
             start_relay(self, n)
         prepare_first_call()
-        try:
-            engine_set_id = cluster.start_engines_sync(n)
-        except Exception as exc:
-            said = launcher.start_failed(exc, cluster)
-            if said is None:
-                raise
-            raise said from None
-        engine_set = cluster.engines[engine_set_id]
-        launchers = list(getattr(engine_set, "launchers", {}).values())
-        for el in launcher.started_processes(engine_set, launchers):
-            proc = self._record(el, "engine")
-            if proc is not None:
-                self.reaper.watch(proc)
+        engine_set, launchers = started or self._start_engines(n)
         wait_registered(
             self,
             n,
@@ -129,6 +121,24 @@ class Processes:
         probes = dict(zip(self.engine_ids, self.view(self.engine_ids).apply_sync(rt_host.probe)))
         self.engine_ids = rank_order(probes)
         return [probes[e] for e in self.engine_ids]
+
+    def _start_engines(self, n: int) -> tuple[Any, list]:
+        """``n`` engines asked of ipyparallel's cluster, each process recorded and watched
+        at once; their engine set and its launchers."""
+        launcher, cluster = self.launcher, self.ipp
+        try:
+            engine_set = cluster.engines[cluster.start_engines_sync(n)]
+        except Exception as exc:
+            said = launcher.start_failed(exc, cluster)
+            if said is None:
+                raise
+            raise said from None
+        launchers = list(getattr(engine_set, "launchers", {}).values())
+        for el in launcher.started_processes(engine_set, launchers):
+            proc = self._record(el, "engine")
+            if proc is not None:
+                self.reaper.watch(proc)
+        return engine_set, launchers
 
     def _record(self, el, what: str) -> Started | None:
         """A launcher's process, if it is one this process started, or its fork server
@@ -406,13 +416,18 @@ def controller_environment() -> dict[str, str]:
 FIRST_ENGINE_ID = 0
 
 
+#: how often a start asks the controller which engines registered, for those whose
+#: notification the client missed (:func:`sync_registered`: one round trip)
+SYNC_EVERY_S = 0.1
+
+
 def wait_registered(processes: Processes, n: int, check_starting, first=None) -> None:
     """Until ``n`` engines registered at the client (``check_starting()`` raises when the
     launcher knows they cannot), or the start's time is up; ``first(engine_id)`` is called
     once the first engine has registered (at the latest, with the last one)."""
     client, timeout_s = processes.client, processes.config.start_timeout_s
     deadline = time.monotonic() + timeout_s
-    next_sync = time.monotonic() + 1.0
+    next_sync = time.monotonic()  # (engines forked early register while the client connects)
     while True:
         if first is not None and FIRST_ENGINE_ID in client.ids:
             first, call = None, first
@@ -422,7 +437,7 @@ def wait_registered(processes: Processes, n: int, check_starting, first=None) ->
         check_starting()
         if time.monotonic() > next_sync:
             sync_registered(client)
-            next_sync = time.monotonic() + 1.0
+            next_sync = time.monotonic() + SYNC_EVERY_S
         if time.monotonic() > deadline:
             raise ClusterError(
                 f"only {len(client.ids)} of {n} engines registered within "

@@ -88,6 +88,39 @@ def modules_listed(files: str) -> None:
     kernel_class.__init__ = init_from_list
 
 
+#: how often an engine that started before its controller looks for the controller's
+#: connection file (ipyparallel's engine looks every 0.1 s)
+CONTROLLER_FILE_POLL_S = 0.005
+
+
+def controller_file_sooner(app) -> None:
+    """``app`` (``ipyparallel.engine.app``) with its engine seeing its controller's
+    connection file within :data:`CONTROLLER_FILE_POLL_S` of its writing, not up to 0.1 s
+    later: a local cluster's engines are forked while the controller starts, when the fork
+    server is ready (``cluster.processes.Processes.start``). The file is taken once it
+    reads whole (the controller writes it in place); past ``wait_for_url_file``, the engine
+    says, as ipyparallel's does, that it never arrived."""
+    import json
+    import time
+
+    init_engine = app.IPEngine.init_engine
+
+    def init_engine_sooner(self):
+        if not self.connection_info_env:
+            self.find_connection_file()
+            end = time.monotonic() + self.wait_for_url_file
+            while time.monotonic() < end:
+                try:
+                    with open(self.url_file) as f:
+                        json.load(f)
+                    break
+                except (OSError, ValueError):  # (not there yet, or not whole)
+                    time.sleep(CONTROLLER_FILE_POLL_S)
+        return init_engine(self)
+
+    app.IPEngine.init_engine = init_engine_sooner
+
+
 def main(module_files: str | None = None) -> None:
     """The engine; ``module_files``: the fork server's list of imported modules' files
     (:func:`modules_listed`)."""
@@ -96,7 +129,10 @@ def main(module_files: str | None = None) -> None:
         modules_listed(module_files)
     import sys
 
+    from ipyparallel.engine import app
     from ipyparallel.engine.app import main as engine_main
+
+    controller_file_sooner(app)
 
     from .outstream import FLAG
 

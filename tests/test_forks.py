@@ -186,17 +186,20 @@ def test_the_fork_server_starts_engines_only_and_ends_when_its_input_closes(tmp_
         server.stdout.close()
 
 
-def forked_before_the_controller_was_ready(c) -> bool:
-    """Whether the cluster's first engine was forked before its controller wrote the file
-    engines connect by (a process's start is read in clock ticks after boot)."""
+def forked_before_the_controller_was_ready(c=None, profile_dir="", pids=()) -> bool:
+    """Whether the cluster's first engine (``c``'s, or of the cluster in ``profile_dir``
+    whose ranks are ``pids``) was forked before its controller wrote the file engines
+    connect by (a process's start is read in clock ticks after boot)."""
     import glob
     import time
 
     from notebook_dist.signals import start_time
 
-    [path] = glob.glob(os.path.join(c.processes.profile_dir, "security", "*-engine.json"))
+    if c is not None:
+        profile_dir, pids = c.processes.profile_dir, [r.pid for r in c.ranks]
+    [path] = glob.glob(os.path.join(profile_dir, "security", "*-engine.json"))
     after_boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
-    forked = min(int(start_time(r.pid)) for r in c.ranks) / os.sysconf("SC_CLK_TCK")
+    forked = min(int(start_time(pid)) for pid in pids) / os.sysconf("SC_CLK_TCK")
     return forked + after_boot < os.path.getmtime(path)
 
 
@@ -314,13 +317,18 @@ def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_pa
         said = cell("print(ipp_before, 'ipyparallel' in sys.modules, FirstImport.server_started)")
         assert said == "False True True\n"
         ahead = int(cell("from notebook_dist.cluster import forks\nprint(forks._AHEAD.pid)"))
+        # the user reads on: the server loads by itself, and then forks the next cell's
+        # engines while its controller starts
+        assert cell("print(forks._AHEAD.idle_preloaded.wait(120))") == "True\n"
         cell("%dist_init -n 2")
         said = cell(
             "from notebook_dist.session import SESSION\nc = SESSION.current()\n"
-            "print(c.processes.forks.pid, *[r.pid for r in c.ranks])"
+            "print(c.processes.profile_dir, c.processes.forks.pid, *[r.pid for r in c.ranks])"
         )
-        server, *ranks = map(int, said.split())
+        profile_dir, server, *ranks = said.split()
+        server, ranks = int(server), [int(pid) for pid in ranks]
         assert server == ahead
+        assert forked_before_the_controller_was_ready(profile_dir=profile_dir, pids=ranks)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)

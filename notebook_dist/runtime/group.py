@@ -348,26 +348,51 @@ def init_default_group(
 
     store_timeout_s = store_timeout_s or timeout_s
     store = rendezvous_store(rank, world_size, rendezvous_timeout_s or store_timeout_s)
-    # Gloo's ranks meet for the group's connections within its collectives' timeout (NCCL's
-    # within the store's): within the rendezvous's, then the collectives get theirs
-    meet_s = rendezvous_timeout_s if backend != "nccl" and rendezvous_timeout_s else timeout_s
     kwargs: dict[str, Any] = dict(
         backend=backend,
         store=store,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=min(meet_s, timeout_s)),
+        timeout=timedelta(seconds=timeout_s),
     )
     if backend == "nccl":
         kwargs["device_id"] = torch.device(device)
-    torch_init_process_group(**kwargs)
-    if meet_s < timeout_s:
-        torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    meeting = timedelta(seconds=rendezvous_timeout_s) if rendezvous_timeout_s else None
+    with meeting_within(meeting) if meeting else contextlib.nullcontext():
+        torch_init_process_group(**kwargs)
     try:
         return then(store) if then else None
     finally:
         if rendezvous_timeout_s:
             store.set_timeout(timedelta(seconds=store_timeout_s))
+
+
+@contextlib.contextmanager
+def meeting_within(within: timedelta):
+    """The Gloo groups made in the block meet (their members connect) within ``within``
+    (the rendezvous's timeout), then get the timeout they were asked for: Gloo's members
+    wait for each other that long (the collectives' timeout; torch's default for a
+    ``new_group()``, 30 minutes), so one that failed to come would hold the others there.
+    (NCCL's meet in the store, within its timeout.)"""
+    import torch.distributed.distributed_c10d as c10d
+
+    helper = c10d._new_process_group_helper
+
+    def meeting(*args, **kwargs):
+        asked = kwargs.get("timeout")
+        backend = str(kwargs.get("backend", args[3] if len(args) > 3 else "")).lower()
+        if asked is None or asked <= within or "nccl" in backend:
+            return helper(*args, **kwargs)
+        made = helper(*args, **{**kwargs, "timeout": within})
+        if isinstance(made[0], c10d.ProcessGroup):  # (a member)
+            c10d._set_pg_timeout(asked, made[0])
+        return made
+
+    c10d._new_process_group_helper = meeting
+    try:
+        yield
+    finally:
+        c10d._new_process_group_helper = helper
 
 
 #: torch's own collective timeout, as Gloo and NCCL word it

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+from .group import meeting_within
 from .state import STATE, rebuild_step
 
 #: what made each group or mesh, in the order made: [(kind, made, args, kwargs, key), ...]
@@ -169,7 +170,7 @@ def remake(kept: list[tuple], store) -> tuple[list[tuple], dict[str, str] | None
     agreed = _agreed(store, [record[-1] for record in kept])
     rebuild_step(f"making {len(agreed)} other groups again")
     again, own, renamed, meshes = [], [], {}, False
-    with _meeting_within(c10d, store.timeout):
+    with meeting_within(store.timeout):
         for kind, old, args, kwargs, key in kept:
             if key in agreed:
                 new = _made_again(c10d, kind, old, args, kwargs, own, renamed)
@@ -199,31 +200,6 @@ def _made_again(c10d, kind: str, old, args: tuple, kwargs: dict, own: list, rena
         if now != was:  # (names start again from the default group's)
             renamed[was] = now
     return names
-
-
-@contextlib.contextmanager
-def _meeting_within(c10d, within):
-    """The Gloo groups made in the block meet (their members connect) within ``within``
-    (the rendezvous's timeout), then get the timeout they were asked for: Gloo's members
-    wait for each other that long (torch's default, 30 minutes), so one that failed to make
-    a group would hold the others there. (NCCL's meet in the store, within its timeout.)"""
-    helper = c10d._new_process_group_helper
-
-    def meeting(*args, **kwargs):
-        asked = kwargs.get("timeout")
-        backend = str(kwargs.get("backend", args[3] if len(args) > 3 else "")).lower()
-        if asked is None or asked <= within or "nccl" in backend:
-            return helper(*args, **kwargs)
-        made = helper(*args, **{**kwargs, "timeout": within})
-        if isinstance(made[0], c10d.ProcessGroup):  # (a member)
-            c10d._set_pg_timeout(asked, made[0])
-        return made
-
-    c10d._new_process_group_helper = meeting
-    try:
-        yield
-    finally:
-        c10d._new_process_group_helper = helper
 
 
 def _agreed(store, keys: list[tuple]) -> set[tuple]:

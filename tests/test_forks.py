@@ -39,20 +39,37 @@ def test_ranks_are_forked_from_one_server_and_nothing_outlives_the_cluster(monke
         # no engine serves), not out of reach: a cell imports it
         r = c.run("was = 'debugpy' in sys.modules\nimport debugpy\n(was, debugpy.__name__)")
         assert not r.errors and dict(r.values) == {k: (False, "debugpy") for k in range(3)}
-        # the kernel listed the modules' files from the server's list (not by touching
-        # every module it shares with the server), then left ipykernel as it was: its list
-        # names each file once, where a listing of the engine's modules names a module
-        # again under each of its names (os.path, as posixpath); torch is in it
+        # what the server worked out for its engines served them, and left ipykernel,
+        # IPython and ipyparallel as they were: the kernel's list of module files, of use
+        # only to ipykernel's debugger, which needs debugpy, is empty; the shell's modules
+        # at its start (what ``%reset -a`` keeps) are the engine's modules then, the server's
+        # and those it imported itself; the engine's settings are its command line's
         r = c.run(
-            "import ipykernel.ipkernel as ik\nfrom IPython import get_ipython\n"
-            "listed = get_ipython().kernel._kernel_modules\n"
-            "own = [m.__file__ for m in sys.modules.copy().values() if getattr(m, '__file__', 0)]\n"
-            "(any(f.endswith('torch/__init__.py') for f in listed), "
-            "len(set(listed)) == len(listed), len(set(own)) < len(own), "
-            "ik.sys is sys, ik.IPythonKernel.__init__.__name__)"
+            "import ipykernel.ipkernel as ik, IPython.core.shellapp as sa\n"
+            "from ipyparallel.engine.app import IPEngine\n"
+            "from IPython import get_ipython\n"
+            "shell, app = get_ipython(), IPEngine.instance()\n"
+            "(shell.kernel._kernel_modules, shell._sys_modules_keys <= set(sys.modules), "
+            "{'notebook_dist.runtime.engine', 'IPython.core.shellapp', 'torch'} "
+            "<= shell._sys_modules_keys, "
+            "ik.sys is sys and sa.sys is sys, ik.IPythonKernel.__init__.__name__, "
+            "sa.InteractiveShellApp.init_code.__name__, "
+            "'parse_command_line' in IPEngine.__dict__, app.config.IPEngine.enable_nanny, "
+            "app.config.IPEngine.out_stream_factory)"
         )
         assert not r.errors and dict(r.values) == {
-            k: (True, True, True, True, "__init__") for k in range(3)
+            k: (
+                [],
+                True,
+                True,
+                True,
+                "__init__",
+                "init_code",
+                False,
+                False,
+                "notebook_dist.runtime.outstream.RankOutStream",
+            )
+            for k in range(3)
         }, r.values
         pids = [rk.pid for rk in c.ranks] + [server.pid]
     assert wait_until(lambda: not pids_alive(pids), 10), pids_alive(pids)
@@ -63,6 +80,64 @@ FIRST_OPTIMIZER = (
     "opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)\n"
     "(was, len(sys.modules) - before)"
 )
+
+
+PREPARED = """
+import sys
+from ipyparallel.engine.app import IPEngine
+from notebook_dist.runtime import engine, forkserver
+
+argv = ["--IPEngine.enable_nanny=False", "--IPEngine.wait_for_url_file=60",
+        "--profile-dir=/nowhere", "--cluster-id=abc", "--log-level=20"]
+args = engine.engine_args(argv)
+itself = IPEngine()
+itself.parse_command_line(args)
+prepared = forkserver.prepared_for([sys.executable, "-m", forkserver.ENGINE_MODULE, *argv])
+engine.command_line_parsed(prepared.args, prepared.parsed)
+create_loader = IPEngine._create_loader
+IPEngine._create_loader = None  # (the parser is not made again: calling it would fail)
+app = IPEngine()
+app.parse_command_line(args)
+IPEngine._create_loader = create_loader
+other = IPEngine()
+other.parse_command_line(["--cluster-id=xyz"])
+count = len(sys.modules)
+import nd_imported_later
+print(repr((
+    app.config == itself.config, app.cli_config == itself.cli_config,
+    app.extra_args == itself.extra_args, app.argv == itself.argv, app.argv == args,
+    "parse_command_line" in IPEngine.__dict__, other.config.IPEngine.cluster_id,
+    forkserver.prepared_for([sys.executable, "-m", forkserver.ENGINE_MODULE, "--no-such"]).parsed,
+    engine.imported_since(count), "nd_imported_later" in prepared.names,
+    len(prepared.names) == prepared.count,
+)))
+forkserver.later_imports()  # (torch._dynamo's lookups, cached as it is imported, cleared)
+import torch
+print(torch._dynamo.trace_rules.get_torch_obj_rule_map.cache_info().currsize)
+"""
+
+
+def test_what_the_server_works_out_once_is_what_each_engine_would_have(tmp_path):
+    """What the fork server works out for every engine it forks (``engine.Prepared``), each
+    engine then takes as it starts: its command line parses to the very settings it would
+    have parsed to itself, without parsing it again, only when it is the command line the
+    server parsed, and only once; a command line that does not parse is left to the engine; the modules an engine
+    imports after the fork are read from the end of ``sys.modules``."""
+    (tmp_path / "nd_imported_later.py").write_text("")
+    out = subprocess.run(
+        [sys.executable, "-c", PREPARED],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    *_, said, cached = out.stdout.strip().splitlines()
+    assert cached == "0"
+    assert said == repr(
+        (True, True, True, True, True, False, "xyz", None, ["nd_imported_later"], False, True)
+    ), out.stdout
 
 
 @pytest.mark.parametrize("preload", [True, False])

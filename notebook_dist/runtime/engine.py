@@ -6,8 +6,10 @@ registers, so the two costs overlap instead of adding up (torch's import is ~3 s
 
 from __future__ import annotations
 
+import copy
 import threading
 from types import SimpleNamespace
+from typing import NamedTuple
 
 
 def _preimport() -> None:
@@ -26,17 +28,37 @@ def _preimport() -> None:
             pass
 
 
-class _Modules:
-    """``sys.modules`` as ipykernel's kernel module sees it while a kernel starts: its one
-    use there, ``copy()`` to list every module's file, answers from the fork server's
-    list; anything else is the real ``sys.modules``."""
+class Prepared(NamedTuple):
+    """What the fork server worked out once for the engines it forks, which each engine
+    would otherwise work out as it starts: forked, an engine shares the server's objects
+    until it writes them, and a mere read of an object from Python writes its reference
+    count, so each look at every module copies hundreds of pages (about 3.5 µs each here)."""
 
-    def __init__(self, real: dict, files: str):
+    #: the file of every imported module, one a line (:func:`modules_listed`)
+    files: str
+    #: the name of every imported module, and how many there were (:func:`modules_known`)
+    names: set
+    count: int
+    #: the engine's command line (:func:`engine_args`), and what it parses to (its
+    #: configuration and extra arguments: :func:`parse_command_line`), None if it did not
+    args: tuple
+    parsed: tuple | None
+
+
+class _Modules:
+    """``sys.modules`` as one of ipykernel's or IPython's start-up functions sees it:
+    ``copy()`` or ``keys()`` answered as given; anything else is the real ``sys.modules``."""
+
+    def __init__(self, real: dict, copy: dict | None = None, keys=None):
         self._real = real
-        self._listed = {f: SimpleNamespace(__file__=f) for f in files.split("\n") if f}
+        self._copy = copy
+        self._keys = keys
 
     def copy(self) -> dict:
-        return self._listed
+        return self._real.copy() if self._copy is None else self._copy
+
+    def keys(self):
+        return self._real.keys() if self._keys is None else self._keys
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -55,37 +77,129 @@ class _Modules:
 
 
 class _Sys:
-    """The ``sys`` of ipykernel's kernel module while a kernel starts: ``modules`` is
-    :class:`_Modules`, the rest the real ``sys``."""
+    """The ``sys`` of a module whose start-up function looks at every module: ``modules``
+    is a :class:`_Modules`, the rest the real ``sys``."""
 
-    def __init__(self, real, files: str):
+    def __init__(self, real, modules: _Modules):
         self._real = real
-        self.modules = _Modules(real.modules, files)
+        self.modules = modules
 
     def __getattr__(self, name):
         return getattr(self._real, name)
 
 
-def modules_listed(files: str) -> None:
-    """The kernel this engine starts lists the file of every imported module (for its
-    debugger) by touching each module object. Forked from the fork server, an engine shares
-    those objects' pages with it, and each touch copies one: 16 ms of its start, among
-    about 1,500 modules. The server listed the files before it forked (``files``, one a
-    line), and the kernel takes that list instead, once."""
-    from ipykernel import ipkernel
+def _once_seeing(module, cls, name: str, modules: _Modules, after=None) -> None:
+    """The next call of ``cls.name`` (then as it was) sees ``module``'s ``sys`` with
+    ``modules`` for its ``sys.modules``; ``after(self)`` runs once it returned."""
+    real_sys, method = module.sys, cls.__dict__[name]
 
-    kernel_class, real_sys = ipkernel.IPythonKernel, ipkernel.sys
-    init = kernel_class.__init__
-
-    def init_from_list(self, *args, **kwargs):
-        ipkernel.sys = _Sys(real_sys, files)
+    def once(self, *args, **kwargs):
+        module.sys = _Sys(real_sys, modules)
         try:
-            init(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
         finally:
-            ipkernel.sys = real_sys
-            kernel_class.__init__ = init
+            module.sys = real_sys
+            setattr(cls, name, method)
+        if after is not None:
+            after(self)
+        return result
 
-    kernel_class.__init__ = init_from_list
+    setattr(cls, name, once)
+
+
+def modules_listed(files: str) -> None:
+    """The kernel this engine starts lists the file of every imported module, for
+    ipykernel's debugger, by touching each module object: 16 ms of a forked engine's start,
+    among about 1,500 modules. The server listed the files before it forked (``files``, one
+    a line), and the kernel takes that list instead, once; or an empty one where the
+    debugger cannot start (without debugpy, which the server does not import: a rank's
+    debugger is notebook_dist's own), as the list is of use to nothing else."""
+    from ipykernel import debugger, ipkernel
+
+    usable = getattr(debugger, "_is_debugpy_available", True)
+    listed = {f: SimpleNamespace(__file__=f) for f in files.split("\n") if f} if usable else {}
+    _once_seeing(
+        ipkernel, ipkernel.IPythonKernel, "__init__", _Modules(ipkernel.sys.modules, listed)
+    )
+
+
+def modules_known(names: set, count: int) -> None:
+    """IPython's shell notes which modules are imported as it starts (``%reset -a`` drops
+    those imported later), as ``set(sys.modules.keys())`` in
+    ``InteractiveShellApp.init_code``: in a forked engine, that copies the page of each
+    module's name (about 900 pages, 3 ms). The server's set of ``names`` (``count`` of
+    them) serves instead, with the modules this engine imported since: the last ones in
+    ``sys.modules``, which keeps the order of import."""
+    from IPython.core import shellapp
+
+    def noted(app) -> None:
+        names.update(imported_since(count))
+        app.shell._sys_modules_keys = names
+
+    nothing = _Modules(shellapp.sys.modules, keys=())
+    _once_seeing(shellapp, shellapp.InteractiveShellApp, "init_code", nothing, after=noted)
+
+
+def imported_since(count: int) -> list[str]:
+    """The names of the modules imported after the first ``count``, read from the end of
+    ``sys.modules`` (so the others are not touched)."""
+    import itertools
+    import sys
+
+    return list(itertools.islice(reversed(sys.modules), max(0, len(sys.modules) - count)))
+
+
+def engine_args(argv: list[str]) -> list[str]:
+    """The command line the engine's application parses (``argv``: the process's, after
+    the program): the rank's output streams first, so that one given after still wins."""
+    from .outstream import FLAG
+
+    return [FLAG, *argv]
+
+
+def parse_command_line(args) -> tuple | None:
+    """In the fork server: what the engine's command line ``args`` parses to, for every
+    engine it forks with them (:func:`command_line_parsed`): (its configuration, the
+    arguments left over), or None if it cannot be parsed (the engine then says why)."""
+    import contextlib
+    import io
+
+    try:  # (the engine says what it finds wrong: not the server's log)
+        with contextlib.redirect_stderr(io.StringIO()):
+            from ipyparallel.engine.app import IPEngine
+
+            app = IPEngine()
+            app.parse_command_line(list(args))
+            return app.cli_config, list(app.extra_args)
+    except (Exception, SystemExit):
+        return None
+
+
+def command_line_parsed(args: tuple, parsed: tuple) -> None:
+    """The engine's application takes its command line as the server parsed it
+    (``parsed``, from :func:`parse_command_line`), once, when it is ``args``. Parsing it
+    reads every configurable class's traits, ipyparallel's, IPython's and ipykernel's: in a
+    forked engine that copies about 1,400 pages (8 ms of CPU)."""
+    from ipyparallel.engine.app import IPEngine
+
+    had = "parse_command_line" in IPEngine.__dict__
+    parse = IPEngine.parse_command_line
+
+    def parse_once(self, argv=None):
+        if had:
+            IPEngine.parse_command_line = parse
+        else:
+            del IPEngine.parse_command_line
+        if argv is None or tuple(argv) != tuple(args):
+            return parse(self, argv)
+        config, extra = parsed
+        self.argv = list(argv)
+        self.cli_config = copy.deepcopy(config)
+        self.update_config(self.cli_config)
+        self.extra_args = list(extra)
+        return None
+
+    IPEngine.parse_command_line = parse_once
 
 
 #: how often an engine that started before its controller looks for the controller's
@@ -121,23 +235,23 @@ def controller_file_sooner(app) -> None:
     app.IPEngine.init_engine = init_engine_sooner
 
 
-def main(module_files: str | None = None) -> None:
-    """The engine; ``module_files``: the fork server's list of imported modules' files
-    (:func:`modules_listed`)."""
+def main(prepared: Prepared | None = None) -> None:
+    """The engine; ``prepared``: what the fork server worked out for it (:class:`Prepared`)."""
     threading.Thread(target=_preimport, name="notebook_dist-preimport", daemon=True).start()
-    if module_files is not None:
-        modules_listed(module_files)
     import sys
+
+    args = engine_args(sys.argv[1:])
+    if prepared is not None:
+        modules_listed(prepared.files)
+        modules_known(prepared.names, prepared.count)
+        if prepared.parsed is not None:
+            command_line_parsed(prepared.args, prepared.parsed)
 
     from ipyparallel.engine import app
     from ipyparallel.engine.app import main as engine_main
 
     controller_file_sooner(app)
-
-    from .outstream import FLAG
-
-    # first, so that an out_stream_factory on the command line still wins
-    engine_main(argv=[FLAG, *sys.argv[1:]])
+    engine_main(argv=args)
 
 
 if __name__ == "__main__":

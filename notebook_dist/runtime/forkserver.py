@@ -70,6 +70,7 @@ PREIMPORTS = (
     "notebook_dist.runtime.debugger",
     "notebook_dist.runtime.launch",
     "notebook_dist.runtime.recover",
+    "notebook_dist.runtime.subgroups",
     "notebook_dist.runtime.outstream",
     "notebook_dist.runtime.streams",
     "notebook_dist.runtime.tracker",
@@ -125,8 +126,23 @@ def later_imports() -> None:
 
     with frozen_after():
         preload()
+    torch_caches_cleared()
     assert threading.active_count() == 1, "a thread was started while importing"
     assert not cuda_started(), "CUDA was initialised while importing"
+
+
+def torch_caches_cleared() -> None:
+    """What each rank's ``init_process_group`` clears, cleared once here: the lookups that
+    torch._dynamo caches while the preload imports (a map of some 2,800 of torch's
+    functions). Freed in each engine, their pages would be copied first (300 of the 7,000
+    a forked rank copies)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    clear = getattr(getattr(dynamo, "trace_rules", None), "clear_lru_cache", None)
+    if clear is not None:
+        try:
+            clear()
+        except Exception:
+            pass
 
 
 #: how often the server looks for ended engines without a wake-up (a safety net: every
@@ -249,7 +265,7 @@ def _fork_engine(request: dict, keep_fds: tuple[int, ...]) -> int:
     # the engine says when it leads a session of its own: only then is its pid answered
     # (the kernel records it at once, as the leader of its group)
     led_r, led_w = os.pipe()
-    files = module_files()
+    prepared = prepared_for(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -269,7 +285,7 @@ def _fork_engine(request: dict, keep_fds: tuple[int, ...]) -> int:
         from .engine import main as engine_main
 
         code = 0
-        engine_main(files)
+        engine_main(prepared)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -282,19 +298,30 @@ def _fork_engine(request: dict, keep_fds: tuple[int, ...]) -> int:
     return 0  # not reached
 
 
-#: [how many modules were imported, their files one a line] when last listed
-_LISTED: list = [0, ""]
+#: [how many modules were imported, their files one a line, their names] when last listed
+_LISTED: list = [0, "", set()]
+#: an engine's command line -> what it parses to (``engine.parse_command_line``)
+_PARSED: dict = {}
 
 
-def module_files() -> str:
-    """The file of every imported module, one a line, as ipykernel's kernel lists them as
-    it starts (``engine.modules_listed``): listed here once for every engine forked until
-    more modules are imported. In the server, whose pages its engines share, the first
-    listing after a fork copies pages too, once; in each engine it would every time."""
+def prepared_for(argv: list[str]):
+    """What every engine forked with ``argv`` would otherwise work out itself, worked out
+    here once (``engine.Prepared``): the file and the name of every imported module (listed
+    again once more are imported), and what its command line parses to. In the server,
+    whose pages its engines share, the first listing after a fork copies pages too, once; in
+    each engine it would every time."""
+    from .engine import Prepared, engine_args, parse_command_line
+
     if _LISTED[0] != len(sys.modules):
-        listed = [m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
-        _LISTED[:] = [len(sys.modules), "\n".join(listed)]
-    return _LISTED[1]
+        names = list(sys.modules)
+        modules = [sys.modules[name] for name in names]
+        listed = [m.__file__ for m in modules if getattr(m, "__file__", None)]
+        _LISTED[:] = [len(names), "\n".join(listed), set(names)]
+    args = tuple(engine_args(argv[3:]))
+    if args not in _PARSED:
+        _PARSED[args] = parse_command_line(args)
+    count, files, names = _LISTED
+    return Prepared(files, names, count, args, _PARSED[args])
 
 
 def _become_engine(request: dict, argv: list[str], out: int, keep_fds: tuple[int, ...]) -> None:

@@ -57,6 +57,7 @@ PREIMPORTS = (
     "IPython.core.oinspect",  # (the kernel's shell imports it as the engine registers)
     "IPython.extensions.storemagic",
     "sqlite3",  # the shell's history
+    "importlib.readers",  # (the shell's colours are read as a package's resource: 8 ms)
     "tornado.gen",
     "tornado.platform.asyncio",  # (the kernel's event loop, as the engine registers)
     "tornado.queues",

@@ -43,13 +43,15 @@ def test_ranks_are_forked_from_one_server_and_nothing_outlives_the_cluster(monke
         # IPython and ipyparallel as they were: the kernel's list of module files, of use
         # only to ipykernel's debugger, which needs debugpy, is empty; the shell's modules
         # at its start (what ``%reset -a`` keeps) are the engine's modules then, the server's
-        # and those it imported itself; the engine's settings are its command line's
+        # and those it imported itself; its SQLite history is not made (a rank's cells are
+        # not the shell's); the engine's settings are its command line's
         r = c.run(
             "import ipykernel.ipkernel as ik, IPython.core.shellapp as sa\n"
             "from ipyparallel.engine.app import IPEngine\n"
             "from IPython import get_ipython\n"
             "shell, app = get_ipython(), IPEngine.instance()\n"
-            "(shell.kernel._kernel_modules, shell._sys_modules_keys <= set(sys.modules), "
+            "(shell.kernel._kernel_modules, shell.history_manager.enabled, "
+            "shell._sys_modules_keys <= set(sys.modules), "
             "{'notebook_dist.runtime.engine', 'IPython.core.shellapp', 'torch'} "
             "<= shell._sys_modules_keys, "
             "ik.sys is sys and sa.sys is sys, ik.IPythonKernel.__init__.__name__, "
@@ -60,6 +62,7 @@ def test_ranks_are_forked_from_one_server_and_nothing_outlives_the_cluster(monke
         assert not r.errors and dict(r.values) == {
             k: (
                 [],
+                False,
                 True,
                 True,
                 True,
@@ -113,7 +116,10 @@ print(repr((
 )))
 forkserver.later_imports()  # (torch._dynamo's lookups, cached as it is imported, cleared)
 import torch
-print(torch._dynamo.trace_rules.get_torch_obj_rule_map.cache_info().currsize)
+from IPython.utils.PyColorize import theme_table
+forkserver.shell_colours()  # (the shell's colours, read from their file once)
+print(torch._dynamo.trace_rules.get_torch_obj_rule_map.cache_info().currsize,
+      list(getattr(theme_table, "_by_name", {"neutral": 0})))
 """
 
 
@@ -134,7 +140,7 @@ def test_what_the_server_works_out_once_is_what_each_engine_would_have(tmp_path)
     )
     assert out.returncode == 0, out.stderr[-3000:]
     *_, said, cached = out.stdout.strip().splitlines()
-    assert cached == "0"
+    assert cached == "0 ['neutral']"
     assert said == repr(
         (True, True, True, True, True, False, "xyz", None, ["nd_imported_later"], False, True)
     ), out.stdout

@@ -267,17 +267,19 @@ def test_the_fork_server_starts_engines_only_and_ends_when_its_input_closes(tmp_
         server.stdout.close()
 
 
-def forked_before_the_controller_was_ready(c=None, profile_dir="", pids=()) -> bool:
-    """Whether the cluster's first engine (``c``'s, or of the cluster in ``profile_dir``
-    whose ranks are ``pids``) was forked before its controller wrote the file engines
-    connect by (a process's start is read in clock ticks after boot)."""
+def files_and_ranks(c) -> tuple[str, list[int]]:
+    return c.processes.profile_dir, [r.pid for r in c.ranks]
+
+
+def forked_before_the_controller_was_ready(profile_dir: str, pids: list[int]) -> bool:
+    """Whether the first engine of the cluster in ``profile_dir``, whose ranks are
+    ``pids``, was forked before its controller wrote the file engines connect by (a
+    process's start is read in clock ticks after boot)."""
     import glob
     import time
 
     from notebook_dist.signals import start_time
 
-    if c is not None:
-        profile_dir, pids = c.processes.profile_dir, [r.pid for r in c.ranks]
     [path] = glob.glob(os.path.join(profile_dir, "security", "*-engine.json"))
     after_boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
     forked = min(int(start_time(pid)) for pid in pids) / os.sysconf("SC_CLK_TCK")
@@ -301,7 +303,7 @@ def test_a_server_started_ahead_is_taken_by_the_first_cluster_of_its_environment
         assert {v[0] for v in c.run(WHO).values.values()} == {server.pid}
         # (ready, it forks the engines while the controller starts, not after the client
         # connected to it, and they wait for its file)
-        assert forked_before_the_controller_was_ready(c)
+        assert forked_before_the_controller_was_ready(*files_and_ranks(c))
         assert server.log_file.startswith(c.processes.profile_dir) and os.path.exists(
             server.log_file
         )
@@ -328,7 +330,7 @@ def test_a_server_started_ahead_loads_what_ranks_load_later_while_it_waits(waite
         assert c.processes.forks is server
         # (still importing torch, it forks them once the client has connected, as a server
         # started with the cluster does: the client's own start is not held up by the forks)
-        assert forked_before_the_controller_was_ready(c) == waited
+        assert forked_before_the_controller_was_ready(*files_and_ranks(c)) == waited
         r = c.run(FIRST_OPTIMIZER)
         assert not r.errors
         for was, loaded in r.values.values():
@@ -409,7 +411,7 @@ def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_pa
         profile_dir, server, *ranks = said.split()
         server, ranks = int(server), [int(pid) for pid in ranks]
         assert server == ahead
-        assert forked_before_the_controller_was_ready(profile_dir=profile_dir, pids=ranks)
+        assert forked_before_the_controller_was_ready(profile_dir, ranks)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)

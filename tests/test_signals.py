@@ -468,14 +468,14 @@ def _processes(kind: str, data, pool):
     # as Processes.start records: the controller, then what each engine set started
     controller = LocalControllerLauncher(profile_dir=pool["profile_dir"], cluster_id="t")
     controller.pid = data.draw(_pids(pool, traits=True), "controller pid")
-    processes._record(controller, "controller")
+    processes.record(controller, "controller")
     named = {controller.pid}
     processes.ipp = _Cluster({})
     for i in range(data.draw(st.integers(1, 2), "engine sets (a restart adds one)")):
         es = processes.ipp.engines[f"set{i}"] = _engine_set(kind, data, pool)
         launchers = list(getattr(es, "launchers", {}).values())
         for el in launcher.started_processes(es, launchers):
-            processes._record(el, "engine")
+            processes.record(el, "engine")
         if kind != "ssh":  # an ssh launcher's pid is on another host
             named |= {el.pid for el in launcher.started_processes(es, launchers)}
     return processes, named & set(pool["children"])

@@ -87,7 +87,7 @@ class Processes:
             self.forks.preload()  # (queued behind torch's import; before any fork)
         self.ipp = cluster = ipp_cluster(self.config, launcher, self.profile_dir, n)
         cluster.start_controller_sync()
-        controller = self._record(cluster.controller, "controller")
+        controller = self.record(cluster.controller, "controller")
         if controller is not None:
             self.reaper.watch(controller, anchor=True)
         # a fork server with nothing left to load (started ahead): the engines are forked
@@ -122,7 +122,7 @@ class Processes:
         self.engine_ids = rank_order(probes)
         return [probes[e] for e in self.engine_ids]
 
-    def _record(self, el, what: str) -> Started | None:
+    def record(self, el, what: str) -> Started | None:
         """A launcher's process, if it is one this process started, or its fork server
         did (a launcher's ``pid`` is -1 until its process exists, and an ssh launcher's
         pid is on another host)."""
@@ -441,7 +441,7 @@ def start_engines(processes: Processes, n: int) -> tuple[Any, list]:
         raise said from None
     launchers = list(getattr(engine_set, "launchers", {}).values())
     for el in launcher.started_processes(engine_set, launchers):
-        proc = processes._record(el, "engine")
+        proc = processes.record(el, "engine")
         if proc is not None:
             processes.reaper.watch(proc)
     return engine_set, launchers

@@ -47,7 +47,7 @@ def start_engines(processes, k: int) -> list[Spare]:
     launchers = list(getattr(processes.ipp.engines[set_id], "launchers", {}).values())
     procs = {}
     for el in processes.launcher.started_processes(processes.ipp.engines[set_id], launchers):
-        proc = processes._record(el, "engine")
+        proc = processes.record(el, "engine")
         if proc is not None:
             procs[el.pid] = (el, proc)
             if processes.reaper is not None:

@@ -114,6 +114,14 @@ print(repr((
     engine.imported_since(count), "nd_imported_later" in prepared.names,
     len(prepared.names) == prepared.count,
 )))
+# a part that does not fit (here: an IPython whose shellapp has no ``sys``) is left out,
+# the others taken
+import ipykernel.ipkernel as ik, IPython.core.shellapp as sa
+real_sys = sa.sys
+del sa.sys
+engine.take(prepared)
+sa.sys = real_sys
+print(repr((ik.IPythonKernel.__init__.__name__, sa.InteractiveShellApp.init_code.__name__)))
 forkserver.later_imports()  # (torch._dynamo's lookups, cached as it is imported, cleared)
 import torch
 from IPython.utils.PyColorize import theme_table
@@ -139,8 +147,8 @@ def test_what_the_server_works_out_once_is_what_each_engine_would_have(tmp_path)
         env=dict(os.environ, PYTHONPATH=str(tmp_path)),
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    *_, said, cached = out.stdout.strip().splitlines()
-    assert cached == "0 ['neutral']"
+    *_, said, parts, cached = out.stdout.strip().splitlines()
+    assert parts == repr(("once", "init_code")) and cached == "0 ['neutral']"
     assert said == repr(
         (True, True, True, True, True, False, "xyz", None, ["nd_imported_later"], False, True)
     ), out.stdout

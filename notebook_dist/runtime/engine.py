@@ -235,6 +235,20 @@ def controller_file_sooner(app) -> None:
     app.IPEngine.init_engine = init_engine_sooner
 
 
+def take(prepared: Prepared) -> None:
+    """What the server worked out, taken where this engine would work it out (each part
+    once). Each part that does not fit (ipykernel, IPython or traitlets not as they are
+    here) is left out, and the engine works that out itself, as ipyparallel's does."""
+    parts = [(modules_listed, prepared.files), (modules_known, prepared.names, prepared.count)]
+    if prepared.parsed is not None:
+        parts.append((command_line_parsed, prepared.args, prepared.parsed))
+    for part, *given in parts:
+        try:
+            part(*given)
+        except Exception:  # (nothing of it was changed: each part checks before it does)
+            pass
+
+
 def main(prepared: Prepared | None = None) -> None:
     """The engine; ``prepared``: what the fork server worked out for it (:class:`Prepared`)."""
     threading.Thread(target=_preimport, name="notebook_dist-preimport", daemon=True).start()
@@ -242,10 +256,7 @@ def main(prepared: Prepared | None = None) -> None:
 
     args = engine_args(sys.argv[1:])
     if prepared is not None:
-        modules_listed(prepared.files)
-        modules_known(prepared.names, prepared.count)
-        if prepared.parsed is not None:
-            command_line_parsed(prepared.args, prepared.parsed)
+        take(prepared)
 
     from ipyparallel.engine import app
     from ipyparallel.engine.app import main as engine_main

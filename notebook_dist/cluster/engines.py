@@ -42,6 +42,30 @@ def engine_cmd(
 REMOTE_HEARTBEAT_MISSES = 15
 
 
+def start_recorded(processes, n: int) -> tuple:
+    """``n`` engines asked of the cluster's ipyparallel cluster (``processes``: its
+    ``cluster.processes.Processes``), each process recorded and watched at once: their
+    engine set, its launchers, and (launcher, record) for each process this machine
+    started."""
+    launcher, cluster = processes.launcher, processes.ipp
+    try:
+        engine_set = cluster.engines[cluster.start_engines_sync(n)]
+    except Exception as exc:
+        said = launcher.start_failed(exc, cluster)
+        if said is None:
+            raise
+        raise said from None
+    launchers = list(getattr(engine_set, "launchers", {}).values())
+    recorded = []
+    for el in launcher.started_processes(engine_set, launchers):
+        proc = processes.record(el, "engine")
+        if proc is not None:
+            recorded.append((el, proc))
+            if processes.reaper is not None:
+                processes.reaper.watch(proc)
+    return engine_set, launchers, recorded
+
+
 def by_ssh(el) -> bool:
     """Whether a launcher started its engine over ssh (ipyparallel's ``SSHLauncher``)."""
     from ipyparallel.cluster.launcher import SSHLauncher

@@ -95,7 +95,7 @@ class Processes:
         # imports what its first call needs, while the server still imports torch (engines
         # that register before it connects are in its list)
         early = self.forks is not None and self.forks.forks_now(self.config.preloads(n))
-        started = start_engines(self, n) if early else None
+        started = engines.start_recorded(self, n) if early else None
         self.client = client = cluster.connect_client_sync()
         if self.config.direct_lane and self.config.loopback_only and not launcher.remote:
             from .lane import Lane
@@ -103,7 +103,7 @@ class Processes:
             self.lane = Lane(client, "127.0.0.1")
             start_relay(self, n)
         prepare_first_call()
-        engine_set, launchers = started or start_engines(self, n)
+        engine_set, launchers, _ = started or engines.start_recorded(self, n)
         wait_registered(
             self,
             n,
@@ -426,25 +426,6 @@ def wait_registered(processes: Processes, n: int, check_starting, first=None) ->
                 f"{timeout_s:.0f} s; their logs are kept in {keep_logs(processes)}"
             )
         time.sleep(0.005)
-
-
-def start_engines(processes: Processes, n: int) -> tuple[Any, list]:
-    """``n`` engines asked of ipyparallel's cluster, each process recorded and watched
-    at once; their engine set and its launchers."""
-    launcher, cluster = processes.launcher, processes.ipp
-    try:
-        engine_set = cluster.engines[cluster.start_engines_sync(n)]
-    except Exception as exc:
-        said = launcher.start_failed(exc, cluster)
-        if said is None:
-            raise
-        raise said from None
-    launchers = list(getattr(engine_set, "launchers", {}).values())
-    for el in launcher.started_processes(engine_set, launchers):
-        proc = processes.record(el, "engine")
-        if proc is not None:
-            processes.reaper.watch(proc)
-    return engine_set, launchers
 
 
 def prepare_first_call() -> None:

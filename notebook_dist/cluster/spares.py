@@ -43,15 +43,8 @@ def start_engines(processes, k: int) -> list[Spare]:
     if processes.forks is not None:  # what a rank loads later, in every engine from now on
         processes.forks.preload()
     before = set(client.ids)
-    set_id = processes.ipp.start_engines_sync(k)
-    launchers = list(getattr(processes.ipp.engines[set_id], "launchers", {}).values())
-    procs = {}
-    for el in processes.launcher.started_processes(processes.ipp.engines[set_id], launchers):
-        proc = processes.record(el, "engine")
-        if proc is not None:
-            procs[el.pid] = (el, proc)
-            if processes.reaper is not None:
-                processes.reaper.watch(proc)
+    _, launchers, recorded = engines.start_recorded(processes, k)
+    procs = {el.pid: (el, proc) for el, proc in recorded}
     deadline = time.monotonic() + processes.config.start_timeout_s
     while len(set(client.ids) - before) < k:
         if any(engines.has_ended(el) for el in launchers):

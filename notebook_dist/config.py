@@ -54,6 +54,12 @@ class DistConfig:
     (``cluster/lane.py``), not through the controller's queue: one process hop fewer each
     way, the same ipyparallel messages. False: every request goes through the queue."""
 
+    lane_pipes: bool = True
+    """On Linux, a cell's request reaches each local rank, and its reply the notebook,
+    through named pipes (``runtime/pipes.py``) rather than the lane's socket: a system
+    call each instead of a hop through zmq's IO thread on both sides. The socket still
+    carries what does not fit in a pipe. False: the socket alone."""
+
     relay_from: int | None = None
     """From this many ranks on, a local cluster's cells pass through a relay process
     (``runtime/relay.py``): the notebook sends a cell once and reads the ranks' replies as

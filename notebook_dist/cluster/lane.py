@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 
-from ..runtime.lane import REQUEST, Seal
+from ..runtime.lane import Seal
 from .express import ExpressResult
 from .route import ExpressRoute
 
@@ -46,7 +46,7 @@ class Lane:
     #: how long an engine has to say hello on the lane once asked to connect (seconds)
     HELLO_S = 5.0
 
-    def __init__(self, client, ip: str):
+    def __init__(self, client, ip: str, pipe_dir: str | None = None):
         import zmq
 
         self.client = client
@@ -57,7 +57,9 @@ class Lane:
         self.ready: set[str] = set()  # engine uuids that said hello
         self.refused: set[int] = set()  # engine ids served through the queue
         self.stream = on_io_loop(client, lambda: self._stream(socket))
-        self.route = ExpressRoute(client, ip, Seal(client.session))  # (the cells' route)
+        # (the cells' route; ``pipe_dir``: a new folder for its pipes, in one only the user
+        # can open)
+        self.route = ExpressRoute(client, ip, Seal(client.session), pipe_dir)
 
     def _stream(self, socket):
         from zmq.eventloop.zmqstream import ZMQStream
@@ -104,9 +106,8 @@ class Lane:
         msg_ids = [f"{base}-{engine}" for engine in engines]
         session = self.client.session
         call = pickle.dumps((session.session, session.username, func, args), protocol=5)
-        request = route.seal.sealed(REQUEST, base.encode() + call)
         result = ExpressResult(route, msg_ids, engines)
-        route.send(base, engines, msg_ids, request, result)
+        route.send(base, engines, msg_ids, base.encode() + call, result)
         return result
 
     # ---- the ipyparallel route -------------------------------------------------------
@@ -131,17 +132,21 @@ class Lane:
     def _join(self, engine_ids: list[int], queue_view) -> bool:
         from ..runtime import lane as rt_lane
 
+        route = self.route
+        joining = [self._uuid(e) for e in engine_ids]
         try:
-            queue_view(engine_ids).apply_sync(rt_lane.connect, self.url, self.route.join_url)
+            folder = route.pipes_for(joining)
+            queue_view(engine_ids).apply_sync(rt_lane.connect, self.url, route.join_url, folder)
         except Exception as exc:
             log.debug("engines %s could not join the lane: %s", engine_ids, exc)
             self.refused.update(engine_ids)
             return False
-        uuids = {self._uuid(e) for e in engine_ids}
+        finally:
+            route.piped(joining)
+        uuids = set(joining)
         deadline = time.monotonic() + self.HELLO_S
         with self._said:
             self._said.wait_for(lambda: uuids <= self.ready, self.HELLO_S)
-        route = self.route
         while not uuids <= route.ready and time.monotonic() < deadline:
             route.pump(min(0.05, max(0.0, deadline - time.monotonic())))
         joined = [e for e in engine_ids if {self._uuid(e)} <= self.ready & route.ready]

@@ -100,7 +100,8 @@ class Processes:
         if self.config.direct_lane and self.config.loopback_only and not launcher.remote:
             from .lane import Lane
 
-            self.lane = Lane(client, "127.0.0.1")
+            pipes = os.path.join(self.profile_dir, "lane") if self.config.lane_pipes else None
+            self.lane = Lane(client, "127.0.0.1", pipes)
             start_relay(self, n)
         prepare_first_call()
         engine_set, launchers, _ = started or engines.start_recorded(self, n)

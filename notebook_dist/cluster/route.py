@@ -1,8 +1,9 @@
 """The express route's socket in the notebook (``cluster/lane.py`` says what the route
-carries): one ROUTER socket, read by whichever thread waits for a reply, never by the
-client's IO thread. It sends a call to the ranks (each directly, or all of them in one
-message through the relay, ``cluster/relay.py``), takes their hellos and replies, and tells
-the relay what the notebook stopped waiting for.
+carries): one ROUTER socket, and the pipes to the ranks that opened theirs
+(``cluster/pipes.py``), read by whichever thread waits for a reply, never by the
+client's IO thread. It sends a call to the ranks (each directly, by its pipe or the
+socket, or all of them in one message through the relay, ``cluster/relay.py``), takes
+their hellos and replies, and tells the relay what the notebook stopped waiting for.
 
 Everything here runs under the route's lock, by the thread that sends or waits.
 """
@@ -13,8 +14,10 @@ import logging
 import pickle
 import threading
 
-from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, SNDMORE, received
+from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, REQUEST, SNDMORE, received
+from ..runtime.pipes import record
 from .express import ExpressError, Records
+from .pipes import RankPipes
 from .relay import entries as relay_entries
 
 log = logging.getLogger("notebook_dist")
@@ -26,7 +29,7 @@ _OK, _ONE, _FRAMES = ord("o"), ord("1"), ord("f")
 class ExpressRoute:
     """The notebook's end of the express route, for one cluster's client."""
 
-    def __init__(self, client, ip: str, seal):
+    def __init__(self, client, ip: str, seal, pipe_dir: str | None = None):
         import zmq
 
         self.client = client
@@ -42,15 +45,21 @@ class ExpressRoute:
         self.via_relay: set[str] = set()  # engine uuids joined through it
         self.records = Records.install(client)
         self.seal = seal
+        self.pipes = RankPipes.make(pipe_dir)  # (None: the socket alone)
+        self._poller = zmq.Poller()
+        self._poller.register(socket, zmq.POLLIN)
+        if self.pipes is not None:
+            self._poller.register(self.pipes.fd, zmq.POLLIN)
 
     @property
     def join_url(self) -> str:
         """Where an engine joining the route connects: the relay, or this socket."""
         return self.relay.back_url if self.relay is not None else self.url
 
-    def send(self, base: str, engines: list[str], msg_ids: list[str], request: bytes, result):
-        """Send ``request`` (the same bytes for every rank) to ``engines``; their replies
-        finish ``result``'s (an ExpressResult's) children."""
+    def send(self, base: str, engines: list[str], msg_ids: list[str], body: bytes, result):
+        """Send the request ``body`` (its id, then the pickled call: the same bytes for
+        every rank) to ``engines``; their replies finish ``result``'s (an ExpressResult's)
+        children."""
         with self._lock:
             self.pending.update(zip(msg_ids, result._children))
             send, via = self._socket.send, self.via_relay
@@ -59,18 +68,49 @@ class ExpressRoute:
             else:
                 relayed = [e for e in engines if e in via]
                 direct = [(e, m) for e, m in zip(engines, msg_ids) if e not in via]
+            sealed = piped = None
+            piping = self.pipes.to if self.pipes is not None else {}
             for engine, msg_id in direct:
+                if engine in piping:
+                    piped = piped or record(REQUEST + body)
+                    failed = self.pipes.send(engine, piped)
+                    if failed is None:
+                        continue
+                    how, why = failed
+                    if how == "full":  # (this call fails; the rank is reached as before)
+                        self._failed(msg_id, why, wrote=False)
+                        continue
+                    if how == "gone":
+                        self._unreached(msg_id, engine, why)
+                        continue
+                sealed = sealed or self.seal.sealed(REQUEST, body)
                 try:
                     send(engine.encode(), SNDMORE)
-                    send(request)
+                    send(sealed)
                 except Exception as exc:  # zmq: the engine is not connected (it died)
                     self._unreached(msg_id, engine, f"not reachable: {exc}")
             if relayed:  # one message for all of them
+                sealed = sealed or self.seal.sealed(REQUEST, body)
                 try:
-                    self._socket.send_multipart(self.relay.request(base, relayed, request))
+                    self._socket.send_multipart(self.relay.request(base, relayed, sealed))
                 except Exception as exc:  # the relay ended: its ranks rejoin directly
                     for engine in relayed:
                         self._unreached(f"{base}-{engine}", engine, f"relay gone: {exc}")
+
+    def pipes_for(self, engines: list[str]) -> str | None:
+        """A request pipe for each engine about to join, their folder (None: they join the
+        socket alone, as through the relay)."""
+        with self._lock:
+            if self.pipes is None or self.relay is not None:
+                return None
+            self.pipes.offer(engines)
+            return self.pipes.folder
+
+    def piped(self, engines: list[str]) -> None:
+        """The engines joined: their pipes that their ranks opened are held."""
+        with self._lock:
+            if self.pipes is not None:
+                self.pipes.take(engines)
 
     def given_up(self, engines: list[str]) -> None:
         """The notebook no longer waits for one reply from each of ``engines`` (their ranks
@@ -90,9 +130,14 @@ class ExpressRoute:
     def _unreached(self, msg_id: str, engine: str, why: str, wrote: bool = True) -> None:
         """A call that cannot reach ``engine``, failed; ``wrote``: its output may still come
         (False: the rank runs on, and its 'idle' is not waited for)."""
-        reply = self.pending.pop(msg_id, None)
         self.ready.discard(engine)
         self.via_relay.discard(engine)
+        if self.pipes is not None:
+            self.pipes.drop(engine)
+        self._failed(msg_id, why, wrote)
+
+    def _failed(self, msg_id: str, why: str, wrote: bool) -> None:
+        reply = self.pending.pop(msg_id, None)
         if reply is not None:
             reply.finish(error=ExpressError("EngineError", why), wrote=wrote)
 
@@ -125,9 +170,15 @@ class ExpressRoute:
             return
         try:
             sock = self._socket
-            if sock is None or not sock.poll(int(timeout * 1000)):
+            ready = self._poller.poll(int(timeout * 1000)) if sock is not None else ()
+            if not ready:
                 self._relay_check()  # (a relay's end is looked for while nothing comes)
                 return
+            if self.pipes is not None:
+                for engine, frames in self.pipes.replies():
+                    first = frames[0]
+                    if first[:1] == REPLY:  # (a rank's hello comes by the socket, sealed)
+                        self._one(engine, REPLY, first[1:], frames[1:], False)
             while True:
                 try:
                     frames = received(sock)
@@ -187,6 +238,9 @@ class ExpressRoute:
             socket, self._socket = self._socket, None
             if socket is not None:
                 socket.close(linger=0)
+            pipes, self.pipes = self.pipes, None
+            if pipes is not None:
+                pipes.close()
             relay, self.relay = self.relay, None
             if relay is not None:
                 relay.close()

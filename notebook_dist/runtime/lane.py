@@ -80,10 +80,11 @@ class Seal:
         return bytes(frame[:1]), body
 
 
-def connect(url: str, express_url: str | None = None) -> str:
+def connect(url: str, express_url: str | None = None, pipe_dir: str | None = None) -> str:
     """Connect this engine to the notebook's lane at ``url`` (and its express route at
-    ``express_url``) and say so on each; returns the identity the notebook addresses it by
-    (the engine's uuid, as ipyparallel's own)."""
+    ``express_url``, with its pipes in ``pipe_dir`` where it can open them,
+    ``runtime/pipes.py``) and say so on each; returns the identity the notebook addresses
+    it by (the engine's uuid, as ipyparallel's own)."""
     import zmq
     from IPython import get_ipython
     from zmq.eventloop.zmqstream import ZMQStream
@@ -105,8 +106,32 @@ def connect(url: str, express_url: str | None = None) -> str:
         _count_sends(kernel.session)
         xsock = _dealer(zmq, kernel, express_url)
         _STREAM.append(_Reader(xsock, kernel.io_loop, lambda f: serve_express(kernel, xsock, f)))
+        if pipe_dir:
+            _join_pipes(kernel, xsock, pipe_dir)
         xsock.send(_seal(kernel.session).sealed(HELLO, kernel.ident.encode()))
     return kernel.ident
+
+
+def _join_pipes(kernel, sock, pipe_dir: str) -> None:
+    """Read requests from this engine's pipe in ``pipe_dir`` and write replies into the
+    notebook's; nothing when they cannot be opened (the socket serves)."""
+    import os
+
+    from . import pipes
+
+    try:
+        fd = pipes.open_pipe(os.path.join(pipe_dir, kernel.ident), os.O_RDONLY)
+    except OSError:  # not on the notebook's machine
+        return
+    try:
+        reply_fd = pipes.open_pipe(os.path.join(pipe_dir, pipes.REPLIES), os.O_WRONLY)
+    except OSError:
+        os.close(fd)
+        return
+    reader = pipes.PipeReader(
+        fd, reply_fd, kernel.io_loop, lambda b: serve_piped(kernel, sock, reader, b)
+    )
+    _STREAM.append(reader)
 
 
 class _Reader:
@@ -207,16 +232,44 @@ def serve(kernel, sock, frames: list) -> None:
 
 
 def serve_express(kernel, sock, frames: list) -> None:
-    """One express request: ``func(*args)`` in the main thread, its output parented on
-    the request, the reply its frames (or its pickle), 'idle' only after output."""
-    from .streams import flush_written, written
-
+    """One express request from the socket, its seal checked: answered there."""
     seal = _seal(kernel.session)
     opened = seal.opened(frames[0].buffer) if len(frames) == 1 else None
     if opened is None or opened[0] != REQUEST:
         kernel.log.error("An express request not signed with the cluster's key: dropped")
         return
-    body = opened[1]
+    answer(kernel, opened[1], lambda first, extra: _by_socket(seal, sock, first, extra))
+
+
+def serve_piped(kernel, sock, reader, body) -> None:
+    """One express request from the rank's pipe: answered in the notebook's pipe when
+    the reply fits (else by the socket)."""
+    if body[:1] != REQUEST:
+        kernel.log.error("Not an express request on the rank's pipe: dropped")
+        return
+    ident = kernel.ident.encode()
+
+    def send(first: bytes, extra: list) -> None:
+        from .pipes import reply_record
+
+        record = reply_record(ident, [REPLY + first, *extra])
+        if record is None or not reader.reply(record):
+            _by_socket(_seal(kernel.session), sock, first, extra)
+
+    answer(kernel, body[1:], send)
+
+
+def _by_socket(seal: Seal, sock, first: bytes, extra: list) -> None:
+    sock.send_multipart([seal.sealed(REPLY, first, extra), *extra])
+
+
+def answer(kernel, body, send) -> None:
+    """One express request's body (its id, then its pickled call): ``func(*args)`` in the
+    main thread, its output parented on the request, the reply's first frame (its head and
+    the value's frame) and its other frames given to ``send(first, extra)``; 'idle' only
+    after output."""
+    from .streams import flush_written, written
+
     base = bytes(body[:32]).decode()
     try:
         sender, username, func, args = pickle.loads(body[32:])
@@ -253,8 +306,7 @@ def serve_express(kernel, sock, frames: list) -> None:
     head = b"".join(
         (base.encode(), b"e" if status != "ok" or how == b"x" else b"o", b"%d" % wrote, how)
     )
-    first, extra = parts[0], parts[1:]
-    sock.send_multipart([seal.sealed(REPLY, head + bytes(first), extra), *extra])
+    send(head + bytes(parts[0]), parts[1:])
     if wrote:
         kernel._publish_status("idle", "shell")  # the rank's output is complete
 

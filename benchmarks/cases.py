@@ -277,8 +277,8 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
     and the time to the doctor's verdict when one rank skips a collective, at each size;
     every size's round runs beside one at 2 ranks (alternating which starts first), so each
     ratio to 2 ranks is of pairs measured back to back. Each round also measures the floor
-    under an empty cell with as many bare processes (``echo_floor.py``): the best ratio one
-    process per rank can reach on this machine."""
+    under an empty cell with as many bare processes (``echo_floor.py``), by zmq and by
+    pipes: the best ratio one process per rank can reach on this machine."""
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
 
@@ -313,10 +313,13 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
         finally:
             c.shutdown()
         floor = echo_floor(n, 1000)  # the same number of bare processes, the cluster gone
+        piped = echo_floor(n, 1000, pipes=True)  # (and through pipes, as cells go)
         return {
             **by_itself,
             "echo_floor_s": floor["wall_s"],
             "echo_floor_cpu_s": floor["cpu_s"],
+            "pipe_floor_s": piped["wall_s"],
+            "pipe_floor_cpu_s": piped["cpu_s"],
             "start_s": start,
             "start_ahead_s": ahead,
             "cell_s": statistics.median(wall),
@@ -334,6 +337,8 @@ def scale(reps: int, cells: int, sizes=SCALE_SIZES) -> dict:
         "cell_cpu_s",
         "echo_floor_s",
         "echo_floor_cpu_s",
+        "pipe_floor_s",
+        "pipe_floor_cpu_s",
         "gather_1MB_each_s",
         "verdict_s",
         "print_1000_lines_each_s",
@@ -381,22 +386,29 @@ def start_after_load_ext(n: int) -> float:
     return elapsed
 
 
-def relay(reps: int, cells: int, n: int = 16) -> dict:
-    """An empty cell's wall time and kernel CPU at ``n`` ranks through the relay
-    (``DistConfig.relay_from``) and directly, and at 2 ranks directly (the issue's base),
-    with cells back to back and with cells from an idle kernel (:func:`cells_from_idle`);
-    the three alternate in each round, each round in another order."""
+#: how a cell reaches the ranks: (DistConfig.lane_pipes, DistConfig.relay_from)
+ROUTES = {"pipes": (True, None), "socket": (False, None), "relay": (False, 2)}
+
+
+def routes(reps: int, cells: int, n: int = 16) -> dict:
+    """An empty cell's wall time and kernel CPU at 2 and ``n`` ranks by each of the
+    express route's ways (:data:`ROUTES`: the ranks' pipes, the default; the socket
+    alone; the relay, at ``n`` ranks), with cells back to back and with cells from an idle
+    kernel (:func:`cells_from_idle`); the five kinds alternate in each round, each round in
+    another order."""
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
 
-    def measure(size: int, relayed: bool) -> dict:
-        config = DistConfig(spare_engines=0, relay_from=2 if relayed else None)
+    def measure(size: int, route: str) -> dict:
+        pipes, relay_from = ROUTES[route]
+        config = DistConfig(spare_engines=0, lane_pipes=pipes, relay_from=relay_from)
         c = DistCluster(n=size, config=config).start()
         try:
-            assert (c.processes.lane.route.relay is not None) == relayed
             wall, cpu = empty_cells(c, cells)
             from_idle = cells_from_idle(c, max(10, cells // 4))
-            assert len(c.processes.lane.route.via_relay) == (size if relayed else 0)
+            taken = c.processes.lane.route
+            assert len(taken.via_relay) == (size if route == "relay" else 0)
+            assert len(taken.pipes.to if taken.pipes else ()) == (size if pipes else 0)
         finally:
             c.shutdown()
         # the median cell, and the mean (all the CPU over all the cells: what a median
@@ -408,21 +420,29 @@ def relay(reps: int, cells: int, n: int = 16) -> dict:
             "idle_cell_cpu_s": statistics.median(from_idle),
         }
 
-    kinds = {"2_direct": (2, False), f"{n}_direct": (n, False), f"{n}_relay": (n, True)}
+    kinds = {
+        "2_pipes": (2, "pipes"),
+        "2_socket": (2, "socket"),
+        f"{n}_pipes": (n, "pipes"),
+        f"{n}_socket": (n, "socket"),
+        f"{n}_relay": (n, "relay"),
+    }
     keys = ("cell_s", "cell_cpu_s", "cell_cpu_mean_s", "idle_cell_cpu_s")
     got: dict[str, dict[str, list[float]]] = {k: {key: [] for key in keys} for k in kinds}
     order = list(kinds)
     for i in range(reps):
-        for kind in order[i % 3 :] + order[: i % 3]:
+        for kind in order[i % len(order) :] + order[: i % len(order)]:
             m = measure(*kinds[kind])
             for key, value in m.items():
                 got[kind][key].append(value)
     out: dict = {k: {key: summarize(v) for key, v in got[k].items()} for k in kinds}
     for key in keys:
-        base = got["2_direct"][key]
-        out[f"{key}_{n}_relay_vs_2"] = ratio(got[f"{n}_relay"][key], base)
-        out[f"{key}_{n}_direct_vs_2"] = ratio(got[f"{n}_direct"][key], base)
-        out[f"{key}_{n}_relay_vs_direct"] = ratio(got[f"{n}_relay"][key], got[f"{n}_direct"][key])
+        base = got["2_pipes"][key]
+        for route in ROUTES:
+            out[f"{key}_{n}_{route}_vs_2"] = ratio(got[f"{n}_{route}"][key], base)
+        out[f"{key}_{n}_socket_vs_2_socket"] = ratio(got[f"{n}_socket"][key], got["2_socket"][key])
+        out[f"{key}_{n}_pipes_vs_socket"] = ratio(got[f"{n}_pipes"][key], got[f"{n}_socket"][key])
+        out[f"{key}_2_pipes_vs_socket"] = ratio(got["2_pipes"][key], got["2_socket"][key])
     return out
 
 
@@ -433,10 +453,12 @@ PRINTING = (
 )
 
 
-def echo_floor(n: int, rounds: int) -> dict:
-    """``echo_floor.py``'s rounds of ``n`` bare processes, in a process of its own."""
+def echo_floor(n: int, rounds: int, pipes: bool = False) -> dict:
+    """``echo_floor.py``'s rounds of ``n`` bare processes, in a process of its own (by
+    zmq, or by ``pipes``)."""
     got = subprocess.run(
-        [sys.executable, str(HERE / "echo_floor.py"), str(n), str(rounds)],
+        [sys.executable, str(HERE / "echo_floor.py"), str(n), str(rounds)]
+        + (["pipes"] if pipes else []),
         capture_output=True,
         text=True,
         timeout=300,

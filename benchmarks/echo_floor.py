@@ -3,7 +3,11 @@ answering one zmq frame with one frame, as bare as an engine could be (no kernel
 event loop, no work), and one process that sends a frame to each and waits for every
 answer, as the notebook does for a cell.
 
-    python benchmarks/echo_floor.py N ROUNDS    prints {"wall_s": ..., "cpu_s": ...}
+    python benchmarks/echo_floor.py N ROUNDS [pipes]   prints {"wall_s": ..., "cpu_s": ...}
+
+With ``pipes``, each process reads its own pipe and all of them answer into one pipe, as a
+cell's request and reply go between the notebook and its ranks by default
+(``runtime/pipes.py``): the floor under that route.
 
 What it takes at 16 processes against 2 is the best ratio one process per rank can reach
 here: with fewer cores than processes, their wake-ups alone queue for the cores.
@@ -70,5 +74,62 @@ def echo_rounds(n: int, rounds: int, warm: int = 100) -> dict:
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
 
 
+PIPE_RESPONDER = """
+import os, sys
+fd, answer = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    m = os.read(fd, 65536)
+    if not m or m == b"q":
+        break
+    os.write(answer, m)
+"""
+
+
+def pipe_rounds(n: int, rounds: int, warm: int = 100) -> dict:
+    """:func:`echo_rounds` through pipes: one to each process, one back from all of them."""
+    import os
+    import select
+
+    back, answer = os.pipe()
+    to, procs = [], []
+    try:
+        for _ in range(n):
+            theirs, ours = os.pipe()
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", PIPE_RESPONDER, str(theirs), str(answer)],
+                    pass_fds=(theirs, answer),
+                )
+            )
+            os.close(theirs)
+            to.append(ours)
+        walls, cpus = [], []
+        for i in range(warm + rounds):
+            w0, c0 = time.perf_counter(), time.process_time()
+            for fd in to:
+                os.write(fd, b"x")
+            got = 0
+            while got < n:  # (one byte an answer)
+                select.select([back], [], [])
+                got += len(os.read(back, 65536))
+            if i >= warm:
+                cpus.append(time.process_time() - c0)
+                walls.append(time.perf_counter() - w0)
+    finally:
+        for fd in to:
+            os.write(fd, b"q")
+            os.close(fd)
+        for p in procs:  # ours, by pid
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        os.close(back)
+        os.close(answer)
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+
+
 if __name__ == "__main__":
-    print(json.dumps(echo_rounds(int(sys.argv[1]), int(sys.argv[2]))))
+    how = pipe_rounds if sys.argv[3:] == ["pipes"] else echo_rounds
+    print(json.dumps(how(int(sys.argv[1]), int(sys.argv[2]))))

@@ -23,6 +23,7 @@ SERIES = [
     ("gather_1MB_each_s", "gather of 1 MB per rank", "#e7298a"),
     ("verdict_s", "time to the doctor's verdict", "#66a61e"),
     ("echo_floor_s", "floor: bare processes, wall", "#999999"),
+    ("pipe_floor_s", "floor: the same by pipes", "#cccccc"),
 ]
 #: the issue's bounds at 16 ranks: (ratio, what)
 BOUNDS = [(1.5, "notebook CPU bound at 16 (1.5x)"), (2.0, "start and wall bound at 16 (2x)")]

@@ -89,20 +89,32 @@ TARGETS = [
         2.0,
     ),
     (
-        "relay: empty cell, kernel CPU, 16 ranks through the relay / 2 direct",
-        ("relay", "cell_cpu_s_16_relay_vs_2", "pair_median"),
+        "routes: empty cell, kernel CPU, 16 ranks / 2, both by the ranks' pipes",
+        ("routes", "cell_cpu_s_16_pipes_vs_2", "pair_median"),
         "<=",
         1.5,
     ),
     (
-        "relay: the same, each cell 50 ms after the last (from an idle kernel)",
-        ("relay", "idle_cell_cpu_s_16_relay_vs_2", "pair_median"),
+        "routes: the same, each cell 50 ms after the last (from an idle kernel)",
+        ("routes", "idle_cell_cpu_s_16_pipes_vs_2", "pair_median"),
         "<=",
         1.5,
     ),
     (
-        "relay: empty cell, wall, 16 ranks through the relay / 2 direct",
-        ("relay", "cell_s_16_relay_vs_2", "pair_median"),
+        "routes: empty cell, wall, 16 ranks / 2, both by the ranks' pipes",
+        ("routes", "cell_s_16_pipes_vs_2", "pair_median"),
+        "<=",
+        2.0,
+    ),
+    (
+        "routes: empty cell, kernel CPU, 16 ranks through the relay / 2 by the pipes",
+        ("routes", "cell_cpu_s_16_relay_vs_2", "pair_median"),
+        "<=",
+        1.5,
+    ),
+    (
+        "routes: empty cell, wall, 16 ranks through the relay / 2 by the pipes",
+        ("routes", "cell_s_16_relay_vs_2", "pair_median"),
         "<=",
         2.0,
     ),
@@ -215,7 +227,7 @@ CASE_NAMES = (
     "checks",
     "heal",
     "scale",
-    "relay",
+    "routes",
     "monarch",
 )
 
@@ -295,9 +307,9 @@ def main(argv=None) -> int:
         print("scale ...", flush=True)
         sizes = (2, 4, 16) if quick else cases.SCALE_SIZES
         results["scale"] = cases.scale(2 if quick else 9, 10 if quick else 30, sizes)
-    if "relay" in only:
-        print("relay ...", flush=True)
-        results["relay"] = cases.relay(2 if quick else 9, 30 if quick else 100)
+    if "routes" in only:
+        print("routes ...", flush=True)
+        results["routes"] = cases.routes(2 if quick else 9, 30 if quick else 100)
     if "monarch" in only:
         print("monarch ...", flush=True)
         results["monarch"] = cases.monarch(3 if quick else 9)
@@ -364,6 +376,12 @@ def main(argv=None) -> int:
                 f"{g['echo_floor_s_vs_2']['pair_median']:.2f}x, sender's CPU "
                 f"{g['echo_floor_cpu_s_vs_2']['pair_median']:.2f}x 2 of them; "
                 if "echo_floor_s_vs_2" in g
+                else ""
+            )
+            + (
+                f"through pipes: wall {g['pipe_floor_s_vs_2']['pair_median']:.2f}x, sender's "
+                f"CPU {g['pipe_floor_cpu_s_vs_2']['pair_median']:.2f}x; "
+                if "pipe_floor_s_vs_2" in g
                 else ""
             )
             + f"gather 1 MB each {1000 * g['gather_1MB_each_s']['median']:.0f} ms "

@@ -140,9 +140,10 @@ def test_a_full_pipe_fails_the_call_that_did_not_fit_and_the_queued_ones_are_ser
 def test_a_rank_that_ended_fails_its_call_at_once():
     """A rank's engine killed between calls: the next call to it fails at once, saying
     its pipe is closed, without waiting for the controller to find the engine gone."""
+    import select
     import signal
 
-    from conftest import pids_alive, wait_until
+    from conftest import wait_until
 
     from notebook_dist import DistCluster
     from notebook_dist.cluster.express import ExpressError
@@ -151,16 +152,15 @@ def test_a_rank_that_ended_fails_its_call_at_once():
     with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
         c.run("pass")
         lane, ids, view = c.processes.lane, c.processes.engine_ids, c.processes.view
-        pid = c.processes.rank_procs[1].pid
-        os.kill(pid, signal.SIGKILL)  # (an engine this test's cluster started)
+        fd = lane.route.pipes.to[c.processes.client._engines[ids[1]]][0]
+        os.kill(c.processes.rank_procs[1].pid, signal.SIGKILL)  # (an engine this test started)
 
-        def let_go() -> bool:  # (its last thread ended: its files are closed)
-            try:
-                return not pids_alive([pid]) and not os.listdir(f"/proc/{pid}/fd")
-            except OSError:  # (reaped)
-                return True
+        def no_reader() -> bool:  # (its last thread ended: its pipe's end closed with it)
+            ended = select.poll()
+            ended.register(fd, 0)
+            return bool(ended.poll(0))
 
-        assert wait_until(let_go, 30)
+        assert wait_until(no_reader, 30)
         call = lane.express(ids[1:], view, os.getpid)
         assert call.ready()
         with pytest.raises(ExpressError, match="its pipe is closed"):

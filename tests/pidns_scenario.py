@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,6 +107,7 @@ def main(scenarios: list[tuple[str, str]]) -> dict:
             km.shutdown_kernel(now=True)
         sentinel.kill()
         sentinel.wait()
+        shutil.rmtree(folder, ignore_errors=True)
     # what is left in the namespace besides this process (its unreaped children excluded)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -367,6 +367,37 @@ def test_a_server_started_ahead_that_does_not_fit_is_ended_at_once(monkeypatch, 
         assert marks == {"set after the extension loaded" if change == "environment" else None}
 
 
+def test_a_kernel_killed_before_a_cluster_took_its_server_leaves_no_folder():
+    """A process that started the fork server ahead (``%load_ext``) and is killed before
+    any cluster takes it (no ``atexit`` runs): the server ends as its input closes, and
+    the folder of its log goes with it."""
+    import signal
+    import subprocess
+    import sys
+
+    kernel = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nfrom notebook_dist.cluster.processes import fork_ahead\n"
+            "from notebook_dist.config import DistConfig\n"
+            "s = fork_ahead(DistConfig())\n"
+            "print(s.pid, s.log_file, flush=True)\ntime.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid, log = kernel.stdout.readline().split()
+        folder = os.path.dirname(log)
+        assert os.path.isdir(folder)
+    finally:
+        kernel.send_signal(signal.SIGKILL)  # (the process this test started)
+        kernel.wait()
+    assert wait_until(lambda: not pids_alive([int(pid)]), 120), "the server outlived its kernel"
+    assert wait_until(lambda: not os.path.exists(folder), 10), os.listdir(folder)
+
+
 def test_loading_the_extension_starts_the_fork_server_the_next_cell_takes(tmp_path):
     """In a real kernel, in an empty folder: ``%load_ext notebook_dist`` in one cell, then
     ``%dist_init`` in the next uses the server the first started; nothing is left once

@@ -44,6 +44,7 @@ class ForkServer:
         log_file: str,
         timeout: float = 120.0,
         idle_preload_s: float | None = None,
+        own_folder: str | None = None,
     ):
         #: how long an engine's start may wait for the server (DistConfig.start_timeout_s)
         self.timeout = timeout
@@ -55,6 +56,8 @@ class ForkServer:
         self._loading_by_itself = False  # (it may have begun that load when it was taken)
         self._log = open(log_file, "ab")
         idle = [] if idle_preload_s is None else ["--preload-when-idle", str(idle_preload_s)]
+        if own_folder is not None:  # (its log's, removed when it ends: its kernel may be gone)
+            idle += ["--remove-at-end", own_folder]
         self.popen = subprocess.Popen(
             [python, "-m", "notebook_dist.runtime.forkserver", *idle],
             stdin=subprocess.PIPE,
@@ -271,7 +274,11 @@ def start_ahead(config, env: dict[str, str]) -> ForkServer:
     atexit.register(end_ahead)  # (once is enough; a second call finds nothing to end)
     folder = tempfile.mkdtemp(prefix="notebook_dist-ahead-")
     _AHEAD = ForkServer(
-        config.python, env, os.path.join(folder, "forkserver.log"), idle_preload_s=IDLE_PRELOAD_S
+        config.python,
+        env,
+        os.path.join(folder, "forkserver.log"),
+        idle_preload_s=IDLE_PRELOAD_S,
+        own_folder=folder,  # (a kernel killed before a cluster took it leaves it behind)
     )
     _AHEAD.record = Started.record(_AHEAD.pid, "fork server", parent=os.getpid())
     return _AHEAD

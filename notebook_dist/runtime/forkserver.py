@@ -22,6 +22,9 @@ lines over its stdin and stdout:
   on), it does that by itself once it has waited ``S`` seconds after its imports with
   nothing asked, and says ``{"preloaded": pid}``; anything asked first cancels it
   (``{"taken": true}``, sent when a cluster takes the server, asks for nothing else).
+- Started with ``--remove-at-end FOLDER`` (the folder of a server started ahead, where
+  its log is until a cluster takes it), it removes that folder as it ends, however it
+  ends: a kernel killed before any cluster took the server cannot.
 
 Nothing is forked while a thread runs or a ZeroMQ context exists (the server makes
 neither); an engine starts a session of its own, as ipyparallel's launcher starts one,
@@ -382,5 +385,17 @@ def _exit(code: int) -> None:
         os._exit(code)
 
 
+def remove_at_end(argv: list[str]) -> None:
+    """``--remove-at-end FOLDER``: the folder goes (what is left of it: a cluster that took
+    the server moved its log out and removed it already)."""
+    if "--remove-at-end" in argv:
+        import shutil
+
+        shutil.rmtree(argv[argv.index("--remove-at-end") + 1], ignore_errors=True)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # (never in a forked engine: it leaves by os._exit)
+        remove_at_end(sys.argv[1:])

@@ -50,28 +50,21 @@ def echo_rounds(n: int, rounds: int, warm: int = 100) -> dict:
             if not sock.poll(60_000):
                 raise RuntimeError("a responder did not say hello within 60 s")
             peers.append(sock.recv_multipart()[0])
-        walls, cpus = [], []
-        for i in range(warm + rounds):
-            w0, c0 = time.perf_counter(), time.process_time()
+
+        def one_round() -> None:
             for p in peers:
                 sock.send_multipart([p, b"x"])
             for _ in peers:
                 sock.recv_multipart()
-            if i >= warm:
-                cpus.append(time.process_time() - c0)
-                walls.append(time.perf_counter() - w0)
+
+        timed = _timed(one_round, rounds, warm)
         for p in peers:
             sock.send_multipart([p, b"q"])
     finally:
-        for p in procs:  # ours, by pid
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _ended(procs)
         sock.close()
         ctx.term()
-    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+    return timed
 
 
 PIPE_RESPONDER = """
@@ -103,31 +96,45 @@ def pipe_rounds(n: int, rounds: int, warm: int = 100) -> dict:
             )
             os.close(theirs)
             to.append(ours)
-        walls, cpus = [], []
-        for i in range(warm + rounds):
-            w0, c0 = time.perf_counter(), time.process_time()
+
+        def one_round() -> None:
             for fd in to:
                 os.write(fd, b"x")
             got = 0
             while got < n:  # (one byte an answer)
                 select.select([back], [], [])
                 got += len(os.read(back, 65536))
-            if i >= warm:
-                cpus.append(time.process_time() - c0)
-                walls.append(time.perf_counter() - w0)
+
+        timed = _timed(one_round, rounds, warm)
     finally:
         for fd in to:
             os.write(fd, b"q")
             os.close(fd)
-        for p in procs:  # ours, by pid
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _ended(procs)
         os.close(back)
         os.close(answer)
+    return timed
+
+
+def _timed(one_round, rounds: int, warm: int) -> dict:
+    """Median wall and CPU of ``rounds`` calls of ``one_round``, after ``warm`` more."""
+    walls, cpus = [], []
+    for i in range(warm + rounds):
+        w0, c0 = time.perf_counter(), time.process_time()
+        one_round()
+        if i >= warm:
+            cpus.append(time.process_time() - c0)
+            walls.append(time.perf_counter() - w0)
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+
+
+def _ended(procs: list) -> None:
+    for p in procs:  # ours, by pid
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ class DistConfig:
     (``runtime/relay.py``): the notebook sends a cell once and reads the ranks' replies as
     one message, so its CPU per cell grows far less with the ranks, and the relay's own
     CPU is added beside it. None: never. If the relay ends, the cell waiting on it fails
-    with a sentence and the next cell reaches the ranks directly."""
+    with a sentence and the next cell reaches the ranks directly. (Through the ranks'
+    pipes, ``lane_pipes``, the notebook spends about as little on a cell, and the cell
+    takes less time: docs/benchmarks.md.)"""
 
     fork_engines: bool = True
     """A local cluster's engines are forked from one process that imported torch once

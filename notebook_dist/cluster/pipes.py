@@ -93,7 +93,7 @@ class RankPipes:
         out = []
         while True:
             try:
-                data = os.read(self.fd, rt_pipes.CAPACITY)
+                data = os.read(self.fd, rt_pipes.READ)
             except BlockingIOError:
                 return out
             for body in self._records.feed(data):
@@ -105,7 +105,7 @@ class RankPipes:
                     out.append((engine, frames))
                 else:
                     log.debug("a record on the replies' pipe that is not a reply: dropped")
-            if len(data) < rt_pipes.CAPACITY:
+            if len(data) < rt_pipes.READ:
                 return out
 
     def prune(self) -> None:

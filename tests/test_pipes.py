@@ -220,3 +220,23 @@ def test_what_is_not_a_reply_on_the_replies_pipe_is_dropped():
             os.close(fd)
         assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
         assert "nobody" not in route.ready
+
+
+def test_ranks_whose_pipes_cannot_be_made_take_the_socket(monkeypatch):
+    """Pipes that cannot be made as the ranks join (the system refuses a named pipe):
+    the ranks join the socket alone, and cells come and go as before."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    def refused(path, mode=0o666):
+        raise PermissionError(13, "Permission denied", path)
+
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
+        route = c.processes.lane.route
+        assert route.pipes is not None and not route.pipes.to  # (no rank has joined yet)
+        monkeypatch.setattr(os, "mkfifo", refused)
+        seen = _spied(route)
+        assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}
+        assert not route.pipes.to
+        assert seen == {"pipe": 0, "socket": 4}  # (each rank's hello, then its reply)
+        assert c.processes.lane.refused == set()

@@ -11,10 +11,12 @@ the usual IOPub route, an engine that dies with a request outstanding failing it
 ``EngineError``. The engines, their registration, heartbeat, stop and launchers stay
 ipyparallel's.
 
-Beside it, the **express route** carries the cells (:meth:`Lane.express`): a ROUTER socket
-of its own (``cluster/route.py``) that the thread waiting for the replies reads itself, so
-a cell's request and its replies never pass through another thread of the notebook. A request is one pickled
-call by name, signed, the same bytes for every rank; a reply is the rank's packed frames
+Beside it, the **express route** carries the cells (:meth:`Lane.express`): on Linux a pipe
+to each rank and one pipe back from all of them (``cluster/pipes.py``), beside a ROUTER
+socket of its own (``cluster/route.py``) for what does not fit, all read by the thread
+waiting for the replies, so a cell's request and its replies never pass through another
+thread of the notebook. A request is one pickled call by name, the same bytes for every
+rank (signed on the socket); a reply is the rank's packed frames
 and whether it wrote anything, so the notebook waits for a rank's 'idle' only after output
 (``runtime/lane.py`` says what the rank does). The output itself, the agents' snapshots and
 the 'idle' still come on ipyparallel's IOPub, into the client's metadata for the request,

@@ -44,15 +44,21 @@ class RankPipes:
             shutil.rmtree(folder, ignore_errors=True)
             return None
 
-    def offer(self, engines: list[str]) -> None:
+    def offer(self, engines: list[str]) -> bool:
         """A request pipe for each engine, to open as it joins the route (and the pipes
-        of ranks that ended since the last join let go)."""
+        of ranks that ended since the last join let go); False when they cannot be made
+        (the engines then join the socket alone)."""
         self.prune()
-        for engine in engines:
-            path = os.path.join(self.folder, engine)
-            if os.path.exists(path):
-                os.remove(path)
-            os.mkfifo(path, 0o600)
+        try:
+            for engine in engines:
+                path = os.path.join(self.folder, engine)
+                if os.path.exists(path):
+                    os.remove(path)
+                os.mkfifo(path, 0o600)
+        except OSError as exc:
+            log.debug("no pipes for engines %s: %s", engines, exc)
+            return False
+        return True
 
     def take(self, engines: list[str]) -> None:
         """Hold the pipes the engines opened (after their join); each pipe's name goes."""

@@ -101,9 +101,8 @@ class ExpressRoute:
         """A request pipe for each engine about to join, their folder (None: they join the
         socket alone, as through the relay)."""
         with self._lock:
-            if self.pipes is None or self.relay is not None:
+            if self.pipes is None or self.relay is not None or not self.pipes.offer(engines):
                 return None
-            self.pipes.offer(engines)
             return self.pipes.folder
 
     def piped(self, engines: list[str]) -> None:

@@ -201,8 +201,9 @@ class PipeReader:
             import logging
 
             logging.getLogger("notebook_dist").exception("an express request failed")
-        if self._waiting and self.fd is not None:
-            self.io_loop.add_callback(self._serve)  # the next, after the loop's other work
+        finally:  # (whatever left the handler: those read and waiting are served)
+            if self._waiting and self.fd is not None:
+                self.io_loop.add_callback(self._serve)  # the next, after the loop's other work
 
     def reply(self, record: bytes) -> bool:
         """Write a reply's record (:func:`reply_record`); False when the pipe is full or

@@ -24,7 +24,7 @@ def test_records_come_whole_however_the_bytes_are_cut():
     bodies = [b"", b"a", b"x" * 70_000, b"Q" + b"0" * 32 + b"call"]
     stream = b"".join(rt_pipes.record(b) for b in bodies)
     for cut in (1, 3, 4, 5, 4096, len(stream)):
-        records, got = rt_pipes.Records(), []
+        records, got = rt_pipes.RecordStream(), []
         for i in range(0, len(stream), cut):
             got.extend(bytes(r) for r in records.feed(stream[i : i + cut]))
         assert got == bodies, cut
@@ -32,7 +32,7 @@ def test_records_come_whole_however_the_bytes_are_cut():
 
     floats = memoryview(array.array("f", [1.0, 2.0]))
     made = rt_pipes.reply_record(b"engine-1", [b"R" + b"head", floats, b""])
-    (body,) = rt_pipes.Records().feed(made)
+    (body,) = rt_pipes.RecordStream().feed(made)
     engine, frames = rt_pipes.reply_parts(body)
     assert engine == "engine-1"
     assert [bytes(f) for f in frames] == [b"Rhead", floats.tobytes(), b""]

@@ -30,7 +30,7 @@ class RankPipes:
         os.mkfifo(path, 0o600)
         self.fd = rt_pipes.open_pipe(path, os.O_RDWR)
         self.to: dict[str, tuple[int, int]] = {}  # engine uuid -> (its pipe, its capacity)
-        self._records = rt_pipes.Records()
+        self._records = rt_pipes.RecordStream()
 
     @classmethod
     def make(cls, folder: str | None) -> RankPipes | None:

@@ -169,15 +169,17 @@ class ExpressRoute:
             return
         try:
             sock = self._socket
-            ready = self._poller.poll(int(timeout * 1000)) if sock is not None else ()
+            ready = dict(self._poller.poll(int(timeout * 1000))) if sock is not None else {}
             if not ready:
                 self._relay_check()  # (a relay's end is looked for while nothing comes)
                 return
-            if self.pipes is not None:
+            if self.pipes is not None and self.pipes.fd in ready:
                 for engine, frames in self.pipes.replies():
                     first = frames[0]
                     if first[:1] == REPLY:  # (a rank's hello comes by the socket, sealed)
                         self._one(engine, REPLY, first[1:], frames[1:], False)
+            if sock not in ready:
+                return
             while True:
                 try:
                     frames = received(sock)

@@ -29,6 +29,8 @@ import time
 
 from ipykernel.iostream import PIPE_BUFFER_SIZE, OutStream
 
+from .pipes import unread as _unread
+
 #: how a rank's engine is told to make its streams (added ahead of its command line)
 FLAG = f"--IPEngine.out_stream_factory={__name__}.RankOutStream"
 
@@ -121,13 +123,3 @@ def adopt(stream) -> None:
     stream._should_watch = True
     stream.watch_fd_thread = threading.Thread(target=stream._watch_pipe_fd, daemon=True)
     stream.watch_fd_thread.start()
-
-
-def _unread(fid: int) -> int:
-    """How many bytes wait in the pipe ``fid`` (raises OSError once it is closed)."""
-    import fcntl
-    import termios
-
-    count = bytearray(4)
-    fcntl.ioctl(fid, termios.FIONREAD, count)
-    return int.from_bytes(count, sys.byteorder)

@@ -89,7 +89,7 @@ def reply_parts(body: memoryview) -> tuple[str, list[memoryview]]:
     return ident, frames
 
 
-class Records:
+class RecordStream:
     """What has been read from a pipe, as whole records (a record can come in pieces)."""
 
     __slots__ = ("_rest",)
@@ -138,7 +138,7 @@ def capacity(fd: int) -> int:
 
 
 def unread(fd: int) -> int:
-    """How many bytes wait in the pipe, unread."""
+    """How many bytes wait in the pipe, unread (OSError once it is closed)."""
     import array
     import fcntl
     import termios
@@ -169,7 +169,7 @@ class PipeReader:
 
     def __init__(self, fd: int, reply_fd: int, io_loop, handle: Callable[[memoryview], None]):
         self.fd, self.reply_fd, self.io_loop, self.handle = fd, reply_fd, io_loop, handle
-        self._records, self._waiting = Records(), deque()
+        self._records, self._waiting = RecordStream(), deque()
         io_loop.add_handler(fd, self._ready, io_loop.READ)
 
     def _ready(self, *_) -> None:

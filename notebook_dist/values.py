@@ -44,7 +44,8 @@ def _rebuild_tensor(buf, dtype_name: str, shape: tuple, requires_grad: bool, par
 
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, with plain dense tensors sent as raw bytes: out of band, or through
-    a shared-memory file when the other side is on this machine (``shm_dir``)."""
+    a shared-memory file when the other side is on this machine (``shm_dir``); memoryviews
+    (the frames of a value packed already) out of band."""
 
     shm_dir: str | None = None
     shm_min_bytes = SHM_MIN_BYTES
@@ -61,6 +62,8 @@ class _Pickler(cloudpickle.Pickler):
                 if reduced[0] is _rebuild_tensor_from_file:
                     self.shm_files.append(reduced[1][0])
                 return reduced
+        if type(obj) is memoryview and obj.c_contiguous:  # (a packed frame): out of band
+            return (memoryview, (pickle.PickleBuffer(obj),))
         return super().reducer_override(obj)
 
 

@@ -94,6 +94,94 @@ def test_a_rank_that_dies_with_a_call_outstanding_fails_the_call():
             c.apply(die_on_one, timeout=60)
 
 
+CALLS = (
+    "def scaled(t, by=1):\n    import notebook_dist as nd\n    return t * by + nd.rank\n"
+    "def fails():\n    import notebook_dist as nd\n    return 1 / nd.rank\n"
+    "def die_on_one():\n    import os\n    import notebook_dist as nd\n"
+    "    if nd.rank == 1:\n        os._exit(3)\n    return nd.rank\n"
+)
+
+
+def _counted(express, calls: list):
+    """The lane's ``express``, noting each function it is asked to carry."""
+
+    def counted(engine_ids, queue_view, func, *args):
+        calls.append(func)
+        return express(engine_ids, queue_view, func, *args)
+
+    return counted
+
+
+def test_calls_take_the_express_route_with_what_the_queue_gives():
+    """apply, push and pull without a timeout take the express route, as cells do, and
+    give what ipyparallel's queue gives: a function and its keyword arguments, tensors
+    both ways (a large one through a file), a rank's error (said for the ranks it is the
+    same on). A call with a timeout, or one too large for the route, takes ipyparallel's
+    way (on the lane)."""
+    import torch
+
+    from notebook_dist import DistCluster
+    from notebook_dist.cluster import cells
+    from notebook_dist.config import DistConfig
+    from notebook_dist.errors import ClusterError
+
+    made: dict = {"__name__": "__main__"}  # (pickled by value: the ranks cannot import tests)
+    exec(CALLS, made)
+    big = torch.arange(400_000, dtype=torch.float32)  # 1.6 MB: through a file both ways
+    said = {}
+    for lane in (True, False):
+        with DistCluster(n=2, config=DistConfig(spare_engines=0, direct_lane=lane)) as c:
+            c.run("pass")  # (the ranks join the lane at the first call)
+            before = _completed(c)
+            express = []
+            if lane:
+                route = c.processes.lane
+                route.express = _counted(route.express, express)
+            small = c.apply(made["scaled"], torch.ones(3), by=2)
+            large = c.apply(made["scaled"], big, by=3)
+            c.push({"pushed": big * 2, "note": "n"})
+            pulled = c.pull(["pushed", "note"])
+            with pytest.raises(ClusterError, match="ZeroDivisionError: division by zero"):
+                c.apply(made["fails"])
+            said[lane] = (
+                {r: v.tolist() for r, v in small.items()},
+                {r: float(v.double().sum()) for r, v in large.items()},
+                {r: float(v.double().sum()) for r, v in pulled["pushed"].items()},
+                dict(pulled["note"]),
+            )
+            if not lane:
+                continue
+            assert len(express) == 5 and _completed(c) == before
+            with pytest.raises(ClusterError, match="on the ranks: rank 0: ZeroDivisionError"):
+                c.apply(made["fails"])
+            assert dict(c.apply(int, timeout=30)) == {0: 0, 1: 0}
+            blob = b"x" * (cells.EXPRESS_CALL_MAX + 1)
+            assert dict(c.apply(len, blob)) == {0: len(blob), 1: len(blob)}
+            assert len(express) == 6
+            assert not route.route.pending
+    assert said[True] == said[False]
+    assert said[True][0] == {0: [2.0, 2.0, 2.0], 1: [3.0, 3.0, 3.0]}
+
+
+def test_a_rank_that_dies_in_an_express_call_fails_it_naming_the_rank():
+    """A call without a timeout (the express route) to a rank that then dies fails with
+    how the rank ended, never hangs; the other rank's cells go on."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+    from notebook_dist.errors import ClusterError
+
+    made: dict = {"__name__": "__main__"}
+    exec(CALLS, made)
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
+        c.run("pass")
+        with pytest.raises(
+            ClusterError, match="die_on_one on the ranks: rank 1 exited with code 3"
+        ):
+            c.apply(made["die_on_one"])
+        assert not c.processes.lane.route.pending
+        assert dict(c.run("nd.rank", ranks=[0]).values) == {0: 0}
+
+
 def test_messages_not_signed_with_the_clusters_key_are_dropped():
     """A process that connects to the lane and says hello, or sends a reply, under a key
     that is not the cluster's is ignored, on either route; the cluster goes on."""

@@ -17,7 +17,7 @@ from ..execute import CellResult, PreparedCell, collect, prepare_cell
 from ..phrases import rank_list
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import cell as rt_cell
-from ..values import RankValues, pack_named, unpack
+from ..values import RankValues, pack, pack_named, unpack
 from ..watch import CellWatch
 from .ranks import remote_message
 from .recovery import regain_group
@@ -239,10 +239,18 @@ def _profile_of(selected: list[int], results: list, offsets: dict, cell_file: st
 def apply(
     cluster, func, *args, ranks: Any = None, timeout: float | None = None, **kwargs
 ) -> RankValues:
-    """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns."""
+    """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns.
+
+    Without a ``timeout``, a small call takes the express route, as a cell does; one with a
+    ``timeout`` (a request not started by then is aborted) or over
+    :data:`EXPRESS_CALL_MAX` takes ipyparallel's queue."""
     cluster.require_running()
     selected = cluster.select(ranks)
     cluster.processes.check_alive(selected)
+    if timeout is None:
+        values = _express_call(cluster, selected, func, args, kwargs)
+        if values is not None:
+            return RankValues(dict(zip(selected, values)))
     ar = cluster.processes.rank_view(selected).apply_async(func, *args, **kwargs)
     try:
         results = ar.get(timeout=timeout)
@@ -255,6 +263,69 @@ def apply(
             f"could not run {getattr(func, '__name__', func)} on the ranks: {remote_message(exc)}"
         ) from None
     return RankValues(dict(zip(selected, results)))
+
+
+#: the largest call, its function and arguments packed (tensors of a MiB or more travel as
+#: files beside it on this machine), that takes the express route: a larger one goes by
+#: ipyparallel's queue, whose frames are not copied into one message
+EXPRESS_CALL_MAX = 1 << 20
+
+#: how long one wait for an express call's replies lasts between two looks for dead ranks
+CALL_POLL_S = 0.05
+
+
+def _express_call(cluster, selected: list[int], func, args: tuple, kwargs: dict) -> list | None:
+    """``func(*args, **kwargs)`` on the ranks by the lane's express route
+    (``runtime.cell.call_packed``): their values in the order of ``selected``, or None when
+    the route cannot carry it (no lane, a rank not on it, a call too large, or one that
+    only ipyparallel's own serialisation can send)."""
+    processes = cluster.processes
+    if processes.lane is None:
+        return None
+    files: list[str] = []  # read by every rank: removed here once all have answered
+    try:
+        try:
+            frames = pack((func, args, kwargs), cluster.shm_dir, files)
+        except Exception:  # (ipyparallel's queue tries its own way, and says what fails)
+            return None
+        if sum(memoryview(f).nbytes for f in frames) > EXPRESS_CALL_MAX:
+            return None
+        frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]  # (pickled as bytes)
+        ids = [processes.engine_ids[r] for r in selected]
+        ar = processes.lane.express(
+            ids, processes.view, rt_cell.call_packed, frames, cluster.shm_dir
+        )
+        if ar is None:
+            return None
+        try:
+            return _express_values(cluster, ar, selected, getattr(func, "__name__", func))
+        finally:
+            ar.forget()
+    finally:
+        for path in files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _express_values(cluster, ar, selected: list[int], name) -> list:
+    """An express call's values, once every rank answered; a rank that raised, or whose
+    process ended meanwhile, fails the call with a sentence naming it."""
+    processes = cluster.processes
+    while not ar.wait(CALL_POLL_S):
+        dead = {r: how for r, how in processes.dead_ranks().items() if r in selected}
+        if dead:
+            said = "; ".join(f"rank {r} {how}" for r, how in sorted(dead.items()))
+            raise ClusterError(f"could not run {name} on the ranks: {said}")
+    values, failed = [], {}
+    for rank, reply in zip(selected, ar._children):
+        try:
+            values.append(unpack(reply.result()))
+        except Exception as exc:  # (the same failure on many ranks is said once)
+            failed.setdefault(remote_message(exc), []).append(rank)
+    if failed:
+        said = "; ".join(f"{rank_list(ranks)}: {why}" for why, ranks in failed.items())
+        raise ClusterError(f"could not run {name} on the ranks: {said}")
+    return values
 
 
 def push(cluster, values: dict[str, Any], ranks: Any = None) -> None:

@@ -146,14 +146,16 @@ def _bootstrap(processes, plan, config, ranks: list[int], port: int | None) -> l
 
 
 def remote_message(exc: BaseException) -> str:
-    """The useful line of an ipyparallel RemoteError/CompositeError."""
+    """The useful line of an ipyparallel RemoteError/CompositeError, or of the express
+    route's error (each names the rank's exception: ``ename``, ``evalue``)."""
     try:
         from ipyparallel import error as ipp_error
 
         if isinstance(exc, ipp_error.CompositeError):
             return "; ".join(f"{e[0]}: {e[1]}" for e in exc.elist)
-        if isinstance(exc, ipp_error.RemoteError):
-            return f"{exc.ename}: {exc.evalue}"
     except Exception:
         pass
+    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
+    if isinstance(ename, str) and isinstance(evalue, str):
+        return f"{ename}: {evalue}"
     return f"{type(exc).__name__}: {exc}"

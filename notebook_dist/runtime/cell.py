@@ -302,3 +302,19 @@ def pull_values(names: list[str], shm_dir: str | None = None) -> list:
     return pack(
         {"rank": STATE.rank, "values": found, "missing": missing, "unpicklable": bad}, shm_dir
     )
+
+
+def call_packed(frames: list, shm_dir: str | None = None) -> list:
+    """A packed ``(func, args, kwargs)`` called (``DistCluster.apply`` by the express
+    route), its return packed as a cell's value is."""
+    from ..values import unpack
+
+    func, args, kwargs = unpack(list(frames))
+    value = func(*args, **kwargs)
+    try:
+        return pack(value, shm_dir)
+    except Exception as exc:
+        raise TypeError(
+            f"{getattr(func, '__name__', func)} returned what cannot be sent to the notebook: "
+            + describe_unpicklable(value, exc)
+        ) from None

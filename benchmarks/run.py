@@ -53,6 +53,12 @@ TARGETS = [
         3.0,
     ),
     (
+        "monarch: apply of a function on 2 ranks / Monarch's empty call",
+        ("monarch", "apply_vs_monarch_call", "pair_median"),
+        "<=",
+        3.0,
+    ),
+    (
         "scale: %dist_init -n 16 / -n 2",
         ("scale", "16_ranks", "start_s_vs_2", "pair_median"),
         "<=",

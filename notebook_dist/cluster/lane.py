@@ -11,7 +11,8 @@ the usual IOPub route, an engine that dies with a request outstanding failing it
 ``EngineError``. The engines, their registration, heartbeat, stop and launchers stay
 ipyparallel's.
 
-Beside it, the **express route** carries the cells (:meth:`Lane.express`): on Linux a pipe
+Beside it, the **express route** carries the cells, and the calls without a timeout
+(``cluster/cells.py``: ``apply``, ``push``, ``pull``) (:meth:`Lane.express`): on Linux a pipe
 to each rank and one pipe back from all of them (``cluster/pipes.py``), beside a ROUTER
 socket of its own (``cluster/route.py``) for what does not fit, all read by the thread
 waiting for the replies, so a cell's request and its replies never pass through another
@@ -93,7 +94,8 @@ class Lane:
     def express(self, engine_ids: list[int], queue_view, func, *args):
         """``func(*args)`` on each engine by the express route, or None when one of them
         cannot take it. ``func`` is one of notebook_dist's own functions (sent by name),
-        ``args`` plain data. Returns an :class:`~.express.ExpressResult`."""
+        ``args`` plain data (a user's function travels packed in them:
+        ``runtime.cell.call_packed``). Returns an :class:`~.express.ExpressResult`."""
         if any(e in self.refused for e in engine_ids):
             return None
         route = self.route

@@ -241,9 +241,9 @@ def apply(
 ) -> RankValues:
     """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns.
 
-    Without a ``timeout``, a small call takes the express route, as a cell does; one with a
-    ``timeout`` (a request not started by then is aborted) or over
-    :data:`EXPRESS_CALL_MAX` takes ipyparallel's queue."""
+    Without a ``timeout``, a call takes the express route, as a cell does; one with a
+    ``timeout`` (a request not started by then is aborted), or whose function and
+    arguments packed pass a MiB, takes ipyparallel's way."""
     cluster.require_running()
     selected = cluster.select(ranks)
     cluster.processes.check_alive(selected)

@@ -8,9 +8,12 @@ in-band pickling (about 20x slower here). Tensors arrive on the CPU, bfloat16 in
 
 from __future__ import annotations
 
+import contextlib
 import io
+import mmap
 import os
 import pickle
+import struct
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -92,22 +95,64 @@ def _reduce_tensor(
     return (_rebuild_tensor, (pickle.PickleBuffer(arr), *meta))
 
 
-def _write_shm(shm_dir: str, arr) -> str | None:
-    """One copy into a tmpfs file; None (use the socket) when there is no room."""
+def _write_shm(shm_dir: str, *parts, prefix: str = "t-") -> str | None:
+    """One copy of ``parts`` (buffers) into a tmpfs file, one after the other; None (use
+    the socket) when there is no room."""
+    nbytes = sum(memoryview(p).nbytes for p in parts)
     try:
         st = os.statvfs(shm_dir)
-        if st.f_bavail * st.f_frsize < 2 * arr.nbytes:  # Docker's /dev/shm is often 64 MB
+        if st.f_bavail * st.f_frsize < 2 * nbytes:  # Docker's /dev/shm is often 64 MB
             return None
-        fd, path = tempfile.mkstemp(dir=shm_dir, prefix="t-")
+        fd, path = tempfile.mkstemp(dir=shm_dir, prefix=prefix)
     except OSError:
         return None
     try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            f.write(memoryview(arr))
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(memoryview(part))
     except OSError:
         os.unlink(path)
         return None
     return path
+
+
+#: the first of the two frames that stand for frames written to a file
+#: (:func:`frames_to_file`); a packed value's first frame is a pickle's, never this
+FRAMES_FILE = b"notebook_dist: frames in a file"
+
+
+def frames_to_file(shm_dir: str, frames: list) -> list | None:
+    """``frames`` written to one tmpfs file in ``shm_dir``, for a process on this machine:
+    the two frames that name the file (one copy, none through a socket, nothing to seal),
+    or None when there is no room."""
+    sizes = [memoryview(f).nbytes for f in frames]
+    head = struct.pack(f"<{len(sizes) + 1}Q", len(sizes), *sizes)
+    path = _write_shm(shm_dir, head, *frames, prefix="f-")
+    return None if path is None else [FRAMES_FILE, path.encode()]
+
+
+def frames_from(frames: list, consume: bool = True) -> list:
+    """The frames :func:`frames_to_file` wrote, read from their file (a private mapping:
+    no copy), which is removed when ``consume``; any other frames as they are."""
+    if len(frames) != 2 or memoryview(frames[0]).nbytes != len(FRAMES_FILE):
+        return frames
+    if bytes(frames[0]) != FRAMES_FILE:
+        return frames
+    path = bytes(frames[1]).decode()
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    finally:
+        if consume:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    view = memoryview(mapped)
+    (count,) = struct.unpack_from("<Q", view)
+    at, out = 8 * (count + 1), []
+    for size in struct.unpack_from(f"<{count}Q", view, 8):
+        out.append(view[at : at + size])
+        at += size
+    return out
 
 
 def _rebuild_tensor_from_file(

@@ -97,6 +97,7 @@ def test_a_rank_that_dies_with_a_call_outstanding_fails_the_call():
 CALLS = (
     "def scaled(t, by=1):\n    import notebook_dist as nd\n    return t * by + nd.rank\n"
     "def fails():\n    import notebook_dist as nd\n    return 1 / nd.rank\n"
+    "def echo(x):\n    return x\n"
     "def die_on_one():\n    import os\n    import notebook_dist as nd\n"
     "    if nd.rank == 1:\n        os._exit(3)\n    return nd.rank\n"
 )
@@ -116,8 +117,9 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
     """apply, push and pull without a timeout take the express route, as cells do, and
     give what ipyparallel's queue gives: a function and its keyword arguments, tensors
     both ways (a large one through a file), a rank's error (said for the ranks it is the
-    same on). A call with a timeout, or one too large for the route, takes ipyparallel's
-    way (on the lane)."""
+    same on); more than a MiB each way through a file in shared memory. A call with a
+    timeout, or one over a MiB without shared memory, takes ipyparallel's way (on the
+    lane)."""
     import torch
 
     from notebook_dist import DistCluster
@@ -155,9 +157,18 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
             with pytest.raises(ClusterError, match="on the ranks: rank 0: ZeroDivisionError"):
                 c.apply(made["fails"])
             assert dict(c.apply(int, timeout=30)) == {0: 0, 1: 0}
+            assert len(express) == 6
+            # over a MiB each way: through files in shared memory, removed once read
             blob = b"x" * (cells.EXPRESS_CALL_MAX + 1)
             assert dict(c.apply(len, blob)) == {0: len(blob), 1: len(blob)}
-            assert len(express) == 6
+            assert dict(c.apply(made["echo"], blob)) == {0: blob, 1: blob}
+            assert len(express) == 8 and not os.listdir(c.shm_dir)
+            shm_dir, c.shm_dir = c.shm_dir, None  # (no shared memory: ipyparallel's way)
+            try:
+                assert dict(c.apply(len, blob)) == {0: len(blob), 1: len(blob)}
+            finally:
+                c.shm_dir = shm_dir
+            assert len(express) == 8
             assert not route.route.pending
     assert said[True] == said[False]
     assert said[True][0] == {0: [2.0, 2.0, 2.0], 1: [3.0, 3.0, 3.0]}

@@ -47,6 +47,33 @@ def test_tensors_travel_out_of_band():
     assert memoryview(frames[1]).nbytes == t.numel() * 4
 
 
+def test_frames_go_through_a_file_and_come_back_as_they_were(tmp_path):
+    """Packed frames written to one file come back the same, out-of-band buffers as
+    buffers (an array over the file's private mapping: writable, the file untouched); the
+    file goes when the reader consumes it, stays when it does not (many readers); frames
+    that do not name such a file pass as they are; packed memoryviews travel out of band."""
+    from notebook_dist.values import frames_from, frames_to_file
+
+    value = {"a": np.arange(300_000.0), "b": b"x" * 5000, "t": torch.ones(3), "n": None}
+    frames = pack(value)
+    filed = frames_to_file(str(tmp_path), frames)
+    assert filed is not None and len(filed) == 2
+    (path,) = tmp_path.iterdir()
+    assert filed[1].decode() == str(path)
+    read = frames_from(filed, consume=False)
+    assert [bytes(f) for f in read] == [bytes(f) for f in frames] and path.exists()
+    back = unpack(frames_from(filed))
+    assert not path.exists()
+    assert np.array_equal(back["a"], value["a"]) and back["b"] == value["b"]
+    assert torch.equal(back["t"], value["t"]) and back["n"] is None
+    back["a"][0] = 7.0  # (its own pages)
+    assert frames_from(frames) is frames
+    assert frames_from([b"x", b"y"]) == [b"x", b"y"]
+    packed = pack(pack(np.arange(1000.0)))  # (a value's frames, packed again: out of band)
+    assert len(packed) == 2 and memoryview(packed[1]).nbytes == 8000
+    assert np.array_equal(unpack(unpack(packed)), np.arange(1000.0))
+
+
 @pytest.mark.parametrize(
     "t",
     [

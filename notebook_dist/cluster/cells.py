@@ -17,7 +17,7 @@ from ..execute import CellResult, PreparedCell, collect, prepare_cell
 from ..phrases import rank_list
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import cell as rt_cell
-from ..values import RankValues, pack, pack_named, unpack
+from ..values import RankValues, frames_from, frames_to_file, pack, pack_named, unpack
 from ..watch import CellWatch
 from .ranks import remote_message
 from .recovery import regain_group
@@ -241,9 +241,10 @@ def apply(
 ) -> RankValues:
     """Call ``func(*args, **kwargs)`` on the selected ranks; RankValues of the returns.
 
-    Without a ``timeout``, a call takes the express route, as a cell does; one with a
-    ``timeout`` (a request not started by then is aborted), or whose function and
-    arguments packed pass a MiB, takes ipyparallel's way."""
+    Without a ``timeout``, a call takes the express route, as a cell does (more than a MiB
+    of function and arguments, and of what a rank returns, through a file in shared
+    memory); one with a ``timeout`` (a request not started by then is aborted) takes
+    ipyparallel's way, as does one over a MiB where there is no shared memory."""
     cluster.require_running()
     selected = cluster.select(ranks)
     cluster.processes.check_alive(selected)
@@ -266,8 +267,9 @@ def apply(
 
 
 #: the largest call, its function and arguments packed (tensors of a MiB or more travel as
-#: files beside it on this machine), that takes the express route: a larger one goes by
-#: ipyparallel's queue, whose frames are not copied into one message
+#: files beside it), that the express route carries as it is: a larger one goes through a
+#: file, and where there is no shared-memory folder, by ipyparallel's way, whose frames are
+#: not copied into one message
 EXPRESS_CALL_MAX = 1 << 20
 
 #: how long one wait for an express call's replies lasts between two looks for dead ranks
@@ -277,8 +279,8 @@ CALL_POLL_S = 0.05
 def _express_call(cluster, selected: list[int], func, args: tuple, kwargs: dict) -> list | None:
     """``func(*args, **kwargs)`` on the ranks by the lane's express route
     (``runtime.cell.call_packed``): their values in the order of ``selected``, or None when
-    the route cannot carry it (no lane, a rank not on it, a call too large, or one that
-    only ipyparallel's own serialisation can send)."""
+    the route cannot carry it (no lane, a rank not on it, a call over a MiB without shared
+    memory, or one that only ipyparallel's own serialisation can send)."""
     processes = cluster.processes
     if processes.lane is None:
         return None
@@ -289,7 +291,11 @@ def _express_call(cluster, selected: list[int], func, args: tuple, kwargs: dict)
         except Exception:  # (ipyparallel's queue tries its own way, and says what fails)
             return None
         if sum(memoryview(f).nbytes for f in frames) > EXPRESS_CALL_MAX:
-            return None
+            filed = frames_to_file(cluster.shm_dir, frames) if cluster.shm_dir else None
+            if filed is None:
+                return None
+            files.append(filed[1].decode())
+            frames = filed
         frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]  # (pickled as bytes)
         ids = [processes.engine_ids[r] for r in selected]
         ar = processes.lane.express(
@@ -319,7 +325,7 @@ def _express_values(cluster, ar, selected: list[int], name) -> list:
     values, failed = [], {}
     for rank, reply in zip(selected, ar._children):
         try:
-            values.append(unpack(reply.result()))
+            values.append(unpack(frames_from(reply.result())))
         except Exception as exc:  # (the same failure on many ranks is said once)
             failed.setdefault(remote_message(exc), []).append(rank)
     if failed:

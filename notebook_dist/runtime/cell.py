@@ -306,15 +306,19 @@ def pull_values(names: list[str], shm_dir: str | None = None) -> list:
 
 def call_packed(frames: list, shm_dir: str | None = None) -> list:
     """A packed ``(func, args, kwargs)`` called (``DistCluster.apply`` by the express
-    route), its return packed as a cell's value is."""
-    from ..values import unpack
+    route), its return packed as a cell's value is: a MiB or more of it through a file in
+    ``shm_dir``, for the notebook on this machine to read."""
+    from ..values import SHM_MIN_BYTES, frames_from, frames_to_file, unpack
 
-    func, args, kwargs = unpack(list(frames))
+    func, args, kwargs = unpack(frames_from(list(frames), consume=False))
     value = func(*args, **kwargs)
     try:
-        return pack(value, shm_dir)
+        out = pack(value, shm_dir)
     except Exception as exc:
         raise TypeError(
             f"{getattr(func, '__name__', func)} returned what cannot be sent to the notebook: "
             + describe_unpicklable(value, exc)
         ) from None
+    if shm_dir is not None and sum(memoryview(f).nbytes for f in out) >= SHM_MIN_BYTES:
+        return frames_to_file(shm_dir, out) or out
+    return out

@@ -65,7 +65,7 @@ class _Pickler(cloudpickle.Pickler):
                 if reduced[0] is _rebuild_tensor_from_file:
                     self.shm_files.append(reduced[1][0])
                 return reduced
-        if type(obj) is memoryview and obj.c_contiguous:  # (a packed frame): out of band
+        if type(obj) is memoryview and obj.format == "B" and obj.ndim == 1:  # (a frame)
             return (memoryview, (pickle.PickleBuffer(obj),))
         return super().reducer_override(obj)
 

@@ -16,7 +16,8 @@ import pickle
 import struct
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import cloudpickle
@@ -56,6 +57,9 @@ class _Pickler(cloudpickle.Pickler):
     #: ranks), and the writer deletes ``shm_files`` once all of them have read
     shm_consume = True
     shm_files: list[str] = []
+    #: how a function the notebook defined (its module ``__main__``) is sent: None, by
+    #: value with the values of the names it reads (cloudpickle's way), else its reduction
+    own_functions: Callable[[Any], tuple] | None = None
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
@@ -65,6 +69,12 @@ class _Pickler(cloudpickle.Pickler):
                 if reduced[0] is _rebuild_tensor_from_file:
                     self.shm_files.append(reduced[1][0])
                 return reduced
+        if (
+            self.own_functions is not None
+            and type(obj) is types.FunctionType
+            and (obj.__module__ or "__main__").startswith("__")
+        ):
+            return self.own_functions(obj)
         if type(obj) is memoryview and obj.format == "B" and obj.ndim == 1:  # (a frame)
             return (memoryview, (pickle.PickleBuffer(obj),))
         return super().reducer_override(obj)
@@ -180,7 +190,12 @@ def _rebuild_tensor_from_file(
     return t
 
 
-def pack(obj: Any, shm_dir: str | None = None, files: list[str] | None = None) -> list:
+def pack(
+    obj: Any,
+    shm_dir: str | None = None,
+    files: list[str] | None = None,
+    own_functions: Callable[[Any], tuple] | None = None,
+) -> list:
     """Serialise ``obj`` to ``[header, *buffers]`` (buffers are memoryviews, not copies).
 
     With ``shm_dir`` (a tmpfs folder both sides can read), tensors of 1 MiB and more
@@ -192,6 +207,7 @@ def pack(obj: Any, shm_dir: str | None = None, files: list[str] | None = None) -
     pickler.shm_dir = shm_dir
     pickler.shm_files = files if files is not None else []
     pickler.shm_consume = files is None  # a caller that keeps the list deletes the files
+    pickler.own_functions = own_functions
     pickler.dump(obj)
     return [f.getvalue(), *(b.raw() for b in buffers)]
 

@@ -98,6 +98,8 @@ CALLS = (
     "def scaled(t, by=1):\n    import notebook_dist as nd\n    return t * by + nd.rank\n"
     "def fails():\n    import notebook_dist as nd\n    return 1 / nd.rank\n"
     "def echo(x):\n    return x\n"
+    "secret = -1\n"
+    "def reads_secret(add=0):\n    return secret + add\n"
     "def die_on_one():\n    import os\n    import notebook_dist as nd\n"
     "    if nd.rank == 1:\n        os._exit(3)\n    return nd.rank\n"
 )
@@ -115,9 +117,10 @@ def _counted(express, calls: list):
 
 def test_calls_take_the_express_route_with_what_the_queue_gives():
     """apply, push and pull without a timeout take the express route, as cells do, and
-    give what ipyparallel's queue gives: a function and its keyword arguments, tensors
-    both ways (a large one through a file), a rank's error (said for the ranks it is the
-    same on); more than a MiB each way through a file in shared memory. A call with a
+    give what ipyparallel's queue gives: a function the notebook defined, which reads the
+    rank's variables (not the notebook's), and its keyword arguments; tensors both ways (a
+    large one through a file); a rank's error (said for the ranks it is the same on); more
+    than a MiB each way through a file in shared memory. A call with a
     timeout, or one over a MiB without shared memory, takes ipyparallel's way (on the
     lane)."""
     import torch
@@ -133,12 +136,15 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
     said = {}
     for lane in (True, False):
         with DistCluster(n=2, config=DistConfig(spare_engines=0, direct_lane=lane)) as c:
-            c.run("pass")  # (the ranks join the lane at the first call)
+            c.run("secret = 40 + nd.rank")  # (the ranks join the lane at the first call)
             before = _completed(c)
             express = []
             if lane:
                 route = c.processes.lane
                 route.express = _counted(route.express, express)
+            # a function the notebook defined reads the rank's variables, as ipyparallel's
+            # own calls give it (the notebook has a secret of its own: not sent)
+            secrets = dict(c.apply(made["reads_secret"], add=made["reads_secret"]()))
             small = c.apply(made["scaled"], torch.ones(3), by=2)
             large = c.apply(made["scaled"], big, by=3)
             c.push({"pushed": big * 2, "note": "n"})
@@ -146,6 +152,7 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
             with pytest.raises(ClusterError, match="ZeroDivisionError: division by zero"):
                 c.apply(made["fails"])
             said[lane] = (
+                secrets,
                 {r: v.tolist() for r, v in small.items()},
                 {r: float(v.double().sum()) for r, v in large.items()},
                 {r: float(v.double().sum()) for r, v in pulled["pushed"].items()},
@@ -153,25 +160,25 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
             )
             if not lane:
                 continue
-            assert len(express) == 5 and _completed(c) == before
+            assert len(express) == 6 and _completed(c) == before
             with pytest.raises(ClusterError, match="on the ranks: rank 0: ZeroDivisionError"):
                 c.apply(made["fails"])
             assert dict(c.apply(int, timeout=30)) == {0: 0, 1: 0}
-            assert len(express) == 6
+            assert len(express) == 7
             # over a MiB each way: through files in shared memory, removed once read
             blob = b"x" * (cells.EXPRESS_CALL_MAX + 1)
             assert dict(c.apply(len, blob)) == {0: len(blob), 1: len(blob)}
             assert dict(c.apply(made["echo"], blob)) == {0: blob, 1: blob}
-            assert len(express) == 8 and not os.listdir(c.shm_dir)
+            assert len(express) == 9 and not os.listdir(c.shm_dir)
             shm_dir, c.shm_dir = c.shm_dir, None  # (no shared memory: ipyparallel's way)
             try:
                 assert dict(c.apply(len, blob)) == {0: len(blob), 1: len(blob)}
             finally:
                 c.shm_dir = shm_dir
-            assert len(express) == 8
+            assert len(express) == 9
             assert not route.route.pending
     assert said[True] == said[False]
-    assert said[True][0] == {0: [2.0, 2.0, 2.0], 1: [3.0, 3.0, 3.0]}
+    assert said[True][:2] == ({0: 39, 1: 40}, {0: [2.0, 2.0, 2.0], 1: [3.0, 3.0, 3.0]})
 
 
 def test_a_rank_that_dies_in_an_express_call_fails_it_naming_the_rank():

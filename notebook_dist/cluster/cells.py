@@ -287,7 +287,7 @@ def _express_call(cluster, selected: list[int], func, args: tuple, kwargs: dict)
     files: list[str] = []  # read by every rank: removed here once all have answered
     try:
         try:
-            frames = pack((func, args, kwargs), cluster.shm_dir, files)
+            frames = pack((func, args, kwargs), cluster.shm_dir, files, _by_code)
         except Exception:  # (ipyparallel's queue tries its own way, and says what fails)
             return None
         if sum(memoryview(f).nbytes for f in frames) > EXPRESS_CALL_MAX:
@@ -311,6 +311,15 @@ def _express_call(cluster, selected: list[int], func, args: tuple, kwargs: dict)
         for path in files:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _by_code(func) -> tuple:
+    """A function the notebook defined, sent as its code alone: the rank makes it with its
+    own namespace (``runtime.cell.rank_function``), so its names mean the rank's variables,
+    as through ipyparallel's own calls, and the notebook's values of them are not sent."""
+    f = func
+    made = (f.__code__, f.__name__, f.__defaults__, f.__closure__, f.__kwdefaults__)
+    return (rt_cell.rank_function, (*made, f.__qualname__, f.__dict__ or None))
 
 
 def _express_values(cluster, ar, selected: list[int], name) -> list:

@@ -12,6 +12,7 @@ import bdb
 import linecache
 import sys
 import traceback
+import types
 from typing import Any
 
 from ..values import describe_unpicklable, pack
@@ -307,7 +308,8 @@ def pull_values(names: list[str], shm_dir: str | None = None) -> list:
 def call_packed(frames: list, shm_dir: str | None = None) -> list:
     """A packed ``(func, args, kwargs)`` called (``DistCluster.apply`` by the express
     route), its return packed as a cell's value is: a MiB or more of it through a file in
-    ``shm_dir``, for the notebook on this machine to read."""
+    ``shm_dir``, for the notebook on this machine to read. A function the notebook
+    defined comes made by :func:`rank_function`."""
     from ..values import SHM_MIN_BYTES, frames_from, frames_to_file, unpack
 
     func, args, kwargs = unpack(frames_from(list(frames), consume=False))
@@ -322,3 +324,14 @@ def call_packed(frames: list, shm_dir: str | None = None) -> list:
     if shm_dir is not None and sum(memoryview(f).nbytes for f in out) >= SHM_MIN_BYTES:
         return frames_to_file(shm_dir, out) or out
     return out
+
+
+def rank_function(code, name: str, defaults, closure, kwdefaults, qualname: str, attrs):
+    """A function the notebook defined (its module ``__main__``), made with the rank's
+    namespace as its globals: a name in it means the rank's variable, as through
+    ipyparallel's own calls (the notebook sends its code, not its values of the names it
+    reads: ``cluster.cells``)."""
+    made = types.FunctionType(code, user_namespace(), name, defaults, closure)
+    made.__kwdefaults__, made.__qualname__ = kwdefaults, qualname
+    made.__dict__.update(attrs or {})
+    return made

@@ -108,7 +108,7 @@ def _reduce_tensor(
 def _write_shm(shm_dir: str, *parts, prefix: str = "t-") -> str | None:
     """One copy of ``parts`` (buffers) into a tmpfs file, one after the other; None (use
     the socket) when there is no room."""
-    nbytes = sum(memoryview(p).nbytes for p in parts)
+    nbytes = frames_size(parts)
     try:
         st = os.statvfs(shm_dir)
         if st.f_bavail * st.f_frsize < 2 * nbytes:  # Docker's /dev/shm is often 64 MB
@@ -131,6 +131,24 @@ def _write_shm(shm_dir: str, *parts, prefix: str = "t-") -> str | None:
 FRAMES_FILE = b"notebook_dist: frames in a file"
 
 
+def frames_size(frames) -> int:
+    """How many bytes ``frames`` (bytes-like) hold together."""
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def through_file(frames: list, shm_dir: str | None, files: list[str] | None = None) -> list | None:
+    """``frames`` for a process on this machine: as they are under ``SHM_MIN_BYTES``, and
+    from that size through one tmpfs file in ``shm_dir`` (:func:`frames_to_file`), its
+    path added to ``files`` when the caller removes it once read; None when they are
+    that large and there is no shared memory, or no room in it."""
+    if frames_size(frames) < SHM_MIN_BYTES:
+        return frames
+    filed = frames_to_file(shm_dir, frames) if shm_dir else None
+    if filed is not None and files is not None:
+        files.append(filed[1].decode())
+    return filed
+
+
 def frames_to_file(shm_dir: str, frames: list) -> list | None:
     """``frames`` written to one tmpfs file in ``shm_dir``, for a process on this machine:
     the two frames that name the file (one copy, none through a socket, nothing to seal),
@@ -144,9 +162,7 @@ def frames_to_file(shm_dir: str, frames: list) -> list | None:
 def frames_from(frames: list, consume: bool = True) -> list:
     """The frames :func:`frames_to_file` wrote, read from their file (a private mapping:
     no copy), which is removed when ``consume``; any other frames as they are."""
-    if len(frames) != 2 or memoryview(frames[0]).nbytes != len(FRAMES_FILE):
-        return frames
-    if bytes(frames[0]) != FRAMES_FILE:
+    if len(frames) != 2 or memoryview(frames[0]) != FRAMES_FILE:
         return frames
     path = bytes(frames[1]).decode()
     try:
@@ -212,9 +228,10 @@ def pack(
     return [f.getvalue(), *(b.raw() for b in buffers)]
 
 
-def unpack(frames: list) -> Any:
-    """Inverse of :func:`pack`."""
-    header, *buffers = frames
+def unpack(frames: list, consume: bool = True) -> Any:
+    """Inverse of :func:`pack`, its frames read from their file where they came through
+    one (:func:`through_file`; the file removed when ``consume``, its one reader)."""
+    header, *buffers = frames_from(frames, consume)
     return pickle.loads(header, buffers=buffers)
 
 

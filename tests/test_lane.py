@@ -125,8 +125,7 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
     lane)."""
     import torch
 
-    from notebook_dist import DistCluster
-    from notebook_dist.cluster import cells
+    from notebook_dist import DistCluster, values
     from notebook_dist.config import DistConfig
     from notebook_dist.errors import ClusterError
 
@@ -166,7 +165,7 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
             assert dict(c.apply(int, timeout=30)) == {0: 0, 1: 0}
             assert len(express) == 7
             # over a MiB each way: through files in shared memory, removed once read
-            blob = b"x" * (cells.EXPRESS_CALL_MAX + 1)
+            blob = b"x" * values.SHM_MIN_BYTES
             assert dict(c.apply(len, blob)) == {0: len(blob), 1: len(blob)}
             assert dict(c.apply(made["echo"], blob)) == {0: blob, 1: blob}
             assert len(express) == 9 and not os.listdir(c.shm_dir)
@@ -176,6 +175,23 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
             finally:
                 c.shm_dir = shm_dir
             assert len(express) == 9
+            # a cell's reply and a pull of a MiB or more (not tensors: those go as files
+            # of their own) come through a file as well, read once and removed
+            filed, frames_from = [], values.frames_from
+
+            def counted(f, consume=True, filed=filed, frames_from=frames_from):
+                filed.append(f[0] == values.FRAMES_FILE)
+                return frames_from(f, consume)
+
+            values.frames_from = counted
+            try:
+                got = c.run("blob = b'y' * (1 << 20) * (nd.rank + 1)", gather=["blob"])
+                pulled_blob = c.pull("blob")["blob"]
+            finally:
+                values.frames_from = frames_from
+            assert {r: len(b) for r, b in got.gathered["blob"].items()} == {0: 1 << 20, 1: 2 << 20}
+            assert dict(pulled_blob) == dict(got.gathered["blob"])
+            assert filed.count(True) == 4 and not os.listdir(c.shm_dir)
             assert not route.route.pending
     assert said[True] == said[False]
     assert said[True][:2] == ({0: 39, 1: 40}, {0: [2.0, 2.0, 2.0], 1: [3.0, 3.0, 3.0]})

@@ -17,7 +17,7 @@ from ..execute import CellResult, PreparedCell, collect, prepare_cell
 from ..phrases import rank_list
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import cell as rt_cell
-from ..values import RankValues, frames_from, frames_to_file, pack, pack_named, unpack
+from ..values import RankValues, pack, pack_named, through_file, unpack
 from ..watch import CellWatch
 from .ranks import remote_message
 from .recovery import regain_group
@@ -266,12 +266,6 @@ def apply(
     return RankValues(dict(zip(selected, results)))
 
 
-#: the largest call, its function and arguments packed (tensors of a MiB or more travel as
-#: files beside it), that the express route carries as it is: a larger one goes through a
-#: file, and where there is no shared-memory folder, by ipyparallel's way, whose frames are
-#: not copied into one message
-EXPRESS_CALL_MAX = 1 << 20
-
 #: how long one wait for an express call's replies lasts between two looks for dead ranks
 CALL_POLL_S = 0.05
 
@@ -290,12 +284,11 @@ def _express_call(cluster, selected: list[int], func, args: tuple, kwargs: dict)
             frames = pack((func, args, kwargs), cluster.shm_dir, files, _by_code)
         except Exception:  # (ipyparallel's queue tries its own way, and says what fails)
             return None
-        if sum(memoryview(f).nbytes for f in frames) > EXPRESS_CALL_MAX:
-            filed = frames_to_file(cluster.shm_dir, frames) if cluster.shm_dir else None
-            if filed is None:
-                return None
-            files.append(filed[1].decode())
-            frames = filed
+        # a MiB or more goes through a file; without shared memory, by ipyparallel's way,
+        # whose frames are not copied into one message
+        frames = through_file(frames, cluster.shm_dir, files)
+        if frames is None:
+            return None
         frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]  # (pickled as bytes)
         ids = [processes.engine_ids[r] for r in selected]
         ar = processes.lane.express(
@@ -334,7 +327,7 @@ def _express_values(cluster, ar, selected: list[int], name) -> list:
     values, failed = [], {}
     for rank, reply in zip(selected, ar._children):
         try:
-            values.append(unpack(frames_from(reply.result())))
+            values.append(unpack(reply.result()))
         except Exception as exc:  # (the same failure on many ranks is said once)
             failed.setdefault(remote_message(exc), []).append(rank)
     if failed:

@@ -13,6 +13,7 @@ from ..errors import ClusterError
 from ..plan import ClusterPlan
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import group as rt_group
+from ..watch.progress import engine_error
 from .processes import Processes
 
 
@@ -155,7 +156,5 @@ def remote_message(exc: BaseException) -> str:
             return "; ".join(f"{e[0]}: {e[1]}" for e in exc.elist)
     except Exception:
         pass
-    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
-    if isinstance(ename, str) and isinstance(evalue, str):
-        return f"{ename}: {evalue}"
-    return f"{type(exc).__name__}: {exc}"
+    said = engine_error(exc)
+    return f"{said['ename']}: {said['evalue']}"

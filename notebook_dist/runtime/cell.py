@@ -15,7 +15,7 @@ import traceback
 import types
 from typing import Any
 
-from ..values import describe_unpicklable, pack
+from ..values import describe_unpicklable, pack, through_file, unpack
 from .state import STATE, user_namespace
 
 
@@ -237,10 +237,10 @@ def _reply(result: dict, gather: list[str], shm_dir: str | None, prof) -> list:
     result["gather"] = gathered
     result["missing"] = [name for name in gather if name not in ns]
     try:
-        return pack(result, shm_dir)
+        frames = pack(result, shm_dir)
     except Exception:
-        pass
-    return pack(_without_unpicklable(result, gathered), shm_dir)
+        frames = pack(_without_unpicklable(result, gathered), shm_dir)
+    return through_file(frames, shm_dir) or frames
 
 
 def _without_unpicklable(result: dict, gathered: dict) -> dict:
@@ -279,9 +279,7 @@ def run_cell_request(request: tuple) -> list:
 
 def push_values(*frames: Any) -> list[str]:
     """Bind the names in a packed ``{name: value}`` into the rank's namespace."""
-    from ..values import unpack
-
-    values = unpack(list(frames))
+    values = unpack(list(frames), consume=False)  # (every rank reads the same)
     user_namespace().update(values)
     return sorted(values)
 
@@ -300,9 +298,10 @@ def pull_values(names: list[str], shm_dir: str | None = None) -> list:
             bad[name] = describe_unpicklable(ns[name], exc)
             continue
         found[name] = ns[name]
-    return pack(
+    frames = pack(
         {"rank": STATE.rank, "values": found, "missing": missing, "unpicklable": bad}, shm_dir
     )
+    return through_file(frames, shm_dir) or frames
 
 
 def call_packed(frames: list, shm_dir: str | None = None) -> list:
@@ -310,9 +309,7 @@ def call_packed(frames: list, shm_dir: str | None = None) -> list:
     route), its return packed as a cell's value is: a MiB or more of it through a file in
     ``shm_dir``, for the notebook on this machine to read. A function the notebook
     defined comes made by :func:`rank_function`."""
-    from ..values import SHM_MIN_BYTES, frames_from, frames_to_file, unpack
-
-    func, args, kwargs = unpack(frames_from(list(frames), consume=False))
+    func, args, kwargs = unpack(list(frames), consume=False)  # (every rank reads the same)
     value = func(*args, **kwargs)
     try:
         out = pack(value, shm_dir)
@@ -321,9 +318,7 @@ def call_packed(frames: list, shm_dir: str | None = None) -> list:
             f"{getattr(func, '__name__', func)} returned what cannot be sent to the notebook: "
             + describe_unpicklable(value, exc)
         ) from None
-    if shm_dir is not None and sum(memoryview(f).nbytes for f in out) >= SHM_MIN_BYTES:
-        return frames_to_file(shm_dir, out) or out
-    return out
+    return through_file(out, shm_dir) or out
 
 
 def rank_function(code, name: str, defaults, closure, kwdefaults, qualname: str, attrs):

@@ -235,6 +235,20 @@ def unpack(frames: list, consume: bool = True) -> Any:
     return pickle.loads(header, buffers=buffers)
 
 
+#: the start of every cluster's shared-memory folder's name (:func:`shm_dir_for`)
+SHM_PREFIX = "notebook_dist-"
+
+
+def discard(frames: list) -> None:
+    """Packed frames nobody will read (the reply to a call given up on): the files in
+    shared memory that they came through, or that their tensors did, removed, as reading
+    them would have; frames that name no such file cost a search of their header."""
+    if memoryview(frames[0]) != FRAMES_FILE and SHM_PREFIX.encode() not in bytes(frames[0]):
+        return
+    with contextlib.suppress(Exception):  # (what cannot be read here: left to the folder's end)
+        unpack(frames)
+
+
 def describe_unpicklable(obj: Any, exc: BaseException) -> str:
     return f"a {type(obj).__module__}.{type(obj).__qualname__} cannot be pickled ({type(exc).__name__}: {exc})"
 
@@ -244,7 +258,7 @@ def shm_dir_for(cluster_id: str) -> str | None:
     base = "/dev/shm"
     if not os.path.isdir(base) or not os.access(base, os.W_OK):
         return None
-    path = os.path.join(base, f"notebook_dist-{cluster_id}")
+    path = os.path.join(base, f"{SHM_PREFIX}{cluster_id}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 

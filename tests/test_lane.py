@@ -80,6 +80,8 @@ def test_a_rank_that_dies_with_a_call_outstanding_fails_the_call():
 
     made: dict = {"__name__": "__main__"}  # (pickled by value: the ranks cannot import tests)
     exec(
+        "def slow_large(s):\n    import time, torch\n    time.sleep(s)\n"
+        "    return b'z' * (1 << 20), torch.ones(1 << 19)\n"
         "def die_on_one():\n    import os\n    import notebook_dist as nd\n"
         "    if nd.rank == 1:\n        os._exit(3)\n    return nd.rank\n",
         made,
@@ -100,6 +102,8 @@ CALLS = (
     "def echo(x):\n    return x\n"
     "secret = -1\n"
     "def reads_secret(add=0):\n    return secret + add\n"
+    "def slow_large(s):\n    import time, torch\n    time.sleep(s)\n"
+    "    return b'z' * (1 << 20), torch.ones(1 << 19)\n"
     "def die_on_one():\n    import os\n    import notebook_dist as nd\n"
     "    if nd.rank == 1:\n        os._exit(3)\n    return nd.rank\n"
 )
@@ -195,6 +199,32 @@ def test_calls_take_the_express_route_with_what_the_queue_gives():
             assert not route.route.pending
     assert said[True] == said[False]
     assert said[True][:2] == ({0: 39, 1: 40}, {0: [2.0, 2.0, 2.0], 1: [3.0, 3.0, 3.0]})
+
+
+def test_the_files_of_a_reply_nobody_waits_for_are_removed_when_it_comes():
+    """A call given up on (Ctrl-C in the notebook) whose ranks then return a MiB or more
+    leaves nothing in shared memory: its late replies' files, and their tensors', are
+    removed as they come."""
+    import _thread
+    import threading
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    made: dict = {"__name__": "__main__"}
+    exec(CALLS, made)
+    with DistCluster(n=2, config=DistConfig(spare_engines=0)) as c:
+        c.run("pass")
+        got = dict(c.apply(made["slow_large"], 0))  # (read: nothing left behind)
+        assert [len(got[r][0]) for r in (0, 1)] == [1 << 20] * 2 and not os.listdir(c.shm_dir)
+        timer = threading.Timer(0.5, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            c.apply(made["slow_large"], 2)
+        timer.join()
+        assert dict(c.run("nd.rank").values) == {0: 0, 1: 1}  # (after the late replies)
+        assert not c.processes.lane.route.pending
+        assert not os.listdir(c.shm_dir)
 
 
 def test_a_rank_that_dies_in_an_express_call_fails_it_naming_the_rank():

@@ -16,6 +16,7 @@ import threading
 
 from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, REQUEST, SNDMORE, received
 from ..runtime.pipes import record
+from ..values import discard
 from .express import ExpressError, Records
 from .pipes import RankPipes
 from .relay import entries as relay_entries
@@ -220,9 +221,11 @@ class ExpressRoute:
             return
         # the body: the request's id, then a byte each (ok, wrote, how), then the value
         reply = self.pending.pop(f"{str(body[:32], 'ascii')}-{engine}", None)
-        if reply is None:  # a call already given up on
-            return
         rest = body[REPLY_HEAD:]
+        if reply is None:  # a call already given up on: what its rank wrote for it goes
+            if body[34] == _FRAMES and body[32] == _OK:
+                discard([rest, *extra])
+            return
         value = [rest, *extra] if body[34] == _FRAMES else pickle.loads(rest)
         if body[32] == _OK:
             reply.finish(value, None, body[33] == _ONE)

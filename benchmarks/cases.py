@@ -618,16 +618,59 @@ def _pair_median(r: dict, name: str) -> dict:
     return {name: r["pair_median"], f"{name}_ci95": r["pair_median_ci95"]}
 
 
+class _Kind:
+    """One kind of value :func:`transfer` moves: how the ranks make ``x`` (``n`` elements of
+    ``mb`` MB), the notebook's own copy, a fresh copy of it, and an exact checksum."""
+
+    def __init__(self, name: str, element_size: int):
+        self.name, self.element_size = name, element_size
+        self.numpy = name.startswith("numpy")
+
+    def count(self, mb: int) -> int:
+        return mb * 2**20 // self.element_size
+
+    def made(self, n: int) -> str:
+        if self.numpy:
+            return f"import numpy as np\nx = np.random.default_rng(0).standard_normal({n})"
+        return f"x = torch.randn({n}).to(torch.{self.name})"
+
+    def local(self, n: int):
+        if self.numpy:
+            import numpy as np
+
+            return np.random.default_rng(1).standard_normal(n)
+        import torch
+
+        return torch.randn(n).to(getattr(torch, self.name))
+
+    def copy(self, local):
+        if self.numpy:
+            return local.copy()
+        import torch
+
+        return torch.empty_like(local).copy_(local)
+
+    def checksum(self, name: str) -> str:
+        if self.numpy:  # (the float64's bits, summed as integers: no rounding)
+            return f"int({name}.view(np.int64).sum())"
+        return CHECKSUM.format(name)
+
+
+#: torch's two common dtypes, and a numpy array (pickled out of band, not as tensor files)
+TRANSFER_KINDS = (_Kind("float32", 4), _Kind("bfloat16", 2), _Kind("numpy_float64", 8))
+
+
 def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 5) -> dict:
+    import numpy as np
     import torch
 
     view = cluster.processes.client.direct_view(cluster.processes.engine_ids)
     out = {}
-    for dtype in ("float32", "bfloat16"):
-        for mb in sizes_mb:
-            n = mb * 2**20 // (4 if dtype == "float32" else 2)
-            cluster.run(f"x = torch.randn({n}).to(torch.{dtype})").raise_for_errors()
-            local = torch.randn(n).to(getattr(torch, dtype))
+    for kind in TRANSFER_KINDS:
+        for mb in sizes_mb if not kind.numpy else [m for m in sizes_mb if m <= 16]:
+            n = kind.count(mb)
+            cluster.run(kind.made(n)).raise_for_errors()
+            local = kind.local(n)
             r_reps = reps if mb < 256 else max(3, reps - 2)
             value, gather, pull_ipp, push, copy = [], [], [], [], []
             for _ in range(r_reps):
@@ -636,13 +679,13 @@ def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 5) -> dict:
                 one = []
                 for _ in range(5):
                     t0 = time.perf_counter()
-                    [torch.empty_like(local).copy_(local) for _ in range(2)]
+                    [kind.copy(local) for _ in range(2)]
                     one.append(time.perf_counter() - t0)
                 copy.append(statistics.median(one))
                 t0 = time.perf_counter()
                 r = cluster.run("x")
                 value.append(time.perf_counter() - t0)
-                assert r.values[1].dtype == local.dtype and r.values[1].numel() == n
+                assert r.values[1].dtype == local.dtype and len(r.values[1]) == n
                 t0 = time.perf_counter()
                 cluster.run("pass", gather=["x"])
                 gather.append(time.perf_counter() - t0)
@@ -653,13 +696,14 @@ def transfer(cluster, sizes_mb=(1, 16, 256), reps: int = 5) -> dict:
                     t0 = time.perf_counter()
                     pulled = view.pull("x", block=True)
                     pull_ipp.append(time.perf_counter() - t0)
-                    assert pulled[1].numel() == n
-            # (not timed) what was timed arrived whole: the gathered and the pushed tensors
+                    assert len(pulled[1]) == n
+            # (not timed) what was timed arrived whole: the gathered and the pushed values
             got = cluster.run("pass", gather=["x"]).gathered["x"]
-            assert torch.equal(got[1], r.values[1]) and got[0].numel() == n
-            sums = cluster.run(CHECKSUM.format("y")).values
-            assert set(sums.values()) == {eval(CHECKSUM.format("local"))}, sums
-            key = f"{dtype}_{mb}MB"
+            assert (got[1] == r.values[1]).all() and len(got[0]) == n
+            sums = cluster.run(kind.checksum("y")).values
+            mine = eval(kind.checksum("local"), {"np": np, "torch": torch, "local": local})
+            assert set(sums.values()) == {mine}, sums
+            key = f"{kind.name}_{mb}MB"
             out[key] = {
                 **_pair_median(ratio(copy, value), "value_vs_copy"),
                 **_pair_median(ratio(copy, gather), "gather_vs_copy"),

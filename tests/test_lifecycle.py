@@ -108,6 +108,42 @@ def test_shutdown_and_dead_rank_report():
     assert _wait_gone(pids, 5.0) == []
 
 
+def test_a_stop_goes_on_past_a_wait_of_ipyparallels_that_would_not_end():
+    """ipyparallel's client closes by waiting for its IO thread with no end: with that
+    thread stuck (a callback that never returns), the stop still ends, within its bounds,
+    and every process of the cluster with it."""
+    import threading
+    import time
+
+    from notebook_dist import DistCluster
+    from notebook_dist.cluster import processes
+
+    cluster = DistCluster(n=2).start()
+    pids = [r.pid for r in cluster.ranks] + [
+        cluster.processes.ipp.controller.pid,
+        cluster.processes.reaper.proc.pid,
+    ]
+    stuck, release = threading.Event(), threading.Event()
+
+    def wedge():
+        stuck.set()
+        release.wait(120)
+
+    try:
+        cluster.processes.client._io_loop.add_callback(wedge)
+        assert stuck.wait(10)
+        t0 = time.monotonic()
+        cluster.shutdown()
+        took = time.monotonic() - t0
+        assert cluster.state == "stopped"
+        # (the client's close gives up after CLIENT_CLOSE_S; each other step has its own bound)
+        assert took < processes.CLIENT_CLOSE_S + processes.STOP_CLUSTER_S + 30, took
+    finally:
+        release.set()
+        cluster.shutdown()
+    assert _wait_gone(pids, 10.0) == []
+
+
 def test_rank_dying_during_a_cell_ends_the_cell():
     from notebook_dist import DistCluster
     from notebook_dist.errors import ClusterError

@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -257,15 +258,9 @@ class Processes:
         if self.lane is not None:
             self.lane.close()
         if self.client is not None:
-            try:
-                self.client.close()
-            except Exception:
-                pass
+            within(self.client.close, CLIENT_CLOSE_S, "ipyparallel's client closing")
         if self.ipp is not None:
-            try:
-                self.ipp.stop_cluster_sync()
-            except Exception as exc:
-                log.debug("stop_cluster failed: %s", exc)
+            within(self.ipp.stop_cluster_sync, STOP_CLUSTER_S, "ipyparallel stopping the cluster")
             stop_loop_thread(self.ipp)
             engines.remove_remote_dirs(launchers, also=self.profile_dir)
             self.ipp.shutdown_atexit = False  # what it could not stop, we end below
@@ -281,6 +276,34 @@ class Processes:
             if path:
                 shutil.rmtree(path, ignore_errors=True)
         return ended
+
+
+#: how long a stop waits for ipyparallel's client to close (its IO thread to end), and for
+#: ipyparallel to stop the controller and engines: neither wait of its own has an end, and
+#: whatever it has not stopped by then is ended here by its record
+CLIENT_CLOSE_S = 5.0
+STOP_CLUSTER_S = 30.0
+
+
+def within(call, wait_s: float, what: str) -> bool:
+    """``call()`` on a thread of its own, waited for at most ``wait_s`` seconds: whether it
+    returned. A stop goes on past a wait that would not end (a callback stuck on the
+    client's IO thread, say) rather than hang the notebook; its failure is logged."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            call()
+        except Exception as exc:
+            log.debug("%s failed: %s", what, exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="notebook_dist-stop", daemon=True).start()
+    if done.wait(wait_s):
+        return True
+    log.warning("notebook_dist: %s did not end within %.0f s; going on without it", what, wait_s)
+    return False
 
 
 def exit_idle_ranks(processes: Processes, wait_s: float = 2.0) -> None:

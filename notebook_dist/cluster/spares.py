@@ -156,13 +156,15 @@ class SparePool:
             self.fill()
 
     def close(self) -> None:
-        """No more engines: wait for a refill under way (the cluster is stopping)."""
+        """No more engines: wait for a refill under way (the cluster is stopping), as long
+        as an engine's start may take; one still starting then is ended with the cluster."""
         self.size = 0
         self._cancel_later()
+        wait_s = self.processes.config.start_timeout_s
         if self._later is not None:
-            self._later.join()  # (a fill it began, if any, is joined below)
+            self._later.join(wait_s)  # (a fill it began, if any, is joined below)
         if self._filling is not None:
-            self._filling.join()
+            self._filling.join(wait_s)
 
     def take(self, k: int) -> list[Spare]:
         """``k`` engines for ranks: from the pool first, the rest started now."""

@@ -110,34 +110,30 @@ def test_shutdown_and_dead_rank_report():
 
 def test_a_stop_goes_on_past_a_wait_of_ipyparallels_that_would_not_end():
     """ipyparallel's client closes by waiting for its IO thread with no end: with that
-    thread stuck (a callback that never returns), the stop still ends, within its bounds,
-    and every process of the cluster with it."""
+    thread stuck (a callback that returns only when the test lets it), the stop still
+    ends while it is stuck, and every process of the cluster with it."""
     import threading
-    import time
 
     from notebook_dist import DistCluster
-    from notebook_dist.cluster import processes
 
     cluster = DistCluster(n=2).start()
     pids = [r.pid for r in cluster.ranks] + [
         cluster.processes.ipp.controller.pid,
         cluster.processes.reaper.proc.pid,
     ]
-    stuck, release = threading.Event(), threading.Event()
+    stuck, release, left = threading.Event(), threading.Event(), threading.Event()
 
     def wedge():
         stuck.set()
-        release.wait(120)
+        release.wait(3600)  # (past the test's own timeout: the old stop never returned)
+        left.set()
 
     try:
         cluster.processes.client._io_loop.add_callback(wedge)
         assert stuck.wait(10)
-        t0 = time.monotonic()
         cluster.shutdown()
-        took = time.monotonic() - t0
         assert cluster.state == "stopped"
-        # (the client's close gives up after CLIENT_CLOSE_S; each other step has its own bound)
-        assert took < processes.CLIENT_CLOSE_S + processes.STOP_CLUSTER_S + 30, took
+        assert not left.is_set()  # the stop ended while the IO thread was still stuck
     finally:
         release.set()
         cluster.shutdown()

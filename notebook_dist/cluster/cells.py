@@ -310,9 +310,9 @@ def _by_code(func) -> tuple:
     """A function the notebook defined, sent as its code alone: the rank makes it with its
     own namespace (``runtime.cell.rank_function``), so its names mean the rank's variables,
     as through ipyparallel's own calls, and the notebook's values of them are not sent."""
-    f = func
-    made = (f.__code__, f.__name__, f.__defaults__, f.__closure__, f.__kwdefaults__)
-    return (rt_cell.rank_function, (*made, f.__qualname__, f.__dict__ or None))
+    made = (func.__code__, func.__name__, func.__defaults__, func.__closure__)
+    more = (func.__kwdefaults__, func.__qualname__, func.__dict__ or None)
+    return (rt_cell.rank_function, (*made, *more))
 
 
 def _express_values(cluster, ar, selected: list[int], name) -> list:

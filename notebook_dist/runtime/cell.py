@@ -240,6 +240,12 @@ def _reply(result: dict, gather: list[str], shm_dir: str | None, prof) -> list:
         frames = pack(result, shm_dir)
     except Exception:
         frames = pack(_without_unpicklable(result, gathered), shm_dir)
+    return _for_notebook(frames, shm_dir)
+
+
+def _for_notebook(frames: list, shm_dir: str | None) -> list:
+    """A rank's packed reply for the notebook on its machine: a MiB or more of it through a
+    file in ``shm_dir`` where there is room, otherwise the frames as they are."""
     return through_file(frames, shm_dir) or frames
 
 
@@ -301,7 +307,7 @@ def pull_values(names: list[str], shm_dir: str | None = None) -> list:
     frames = pack(
         {"rank": STATE.rank, "values": found, "missing": missing, "unpicklable": bad}, shm_dir
     )
-    return through_file(frames, shm_dir) or frames
+    return _for_notebook(frames, shm_dir)
 
 
 def call_packed(frames: list, shm_dir: str | None = None) -> list:
@@ -318,7 +324,7 @@ def call_packed(frames: list, shm_dir: str | None = None) -> list:
             f"{getattr(func, '__name__', func)} returned what cannot be sent to the notebook: "
             + describe_unpicklable(value, exc)
         ) from None
-    return through_file(out, shm_dir) or out
+    return _for_notebook(out, shm_dir)
 
 
 def rank_function(code, name: str, defaults, closure, kwdefaults, qualname: str, attrs):

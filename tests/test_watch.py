@@ -108,3 +108,47 @@ def test_the_watch_is_a_small_coordinator():
 
     source = inspect.getsource(CellWatch)
     assert len(source.splitlines()) <= 150, len(source.splitlines())
+
+
+def _progress(*futures):
+    from notebook_dist.watch.progress import Progress
+
+    ranks = list(range(len(futures)))
+    return Progress(ranks, [{} for _ in ranks], list(futures), token="t")
+
+
+def _answered(status="ok"):
+    from concurrent.futures import Future
+
+    from notebook_dist.values import pack
+
+    fut = Future()
+    fut.set_result(pack({"status": status, "final": {"line": 3}}))
+    return fut
+
+
+def test_ranks_that_all_answered_are_not_looked_for_among_the_dead():
+    asked = []
+    progress = _progress(_answered(), _answered("error"))
+    ended = progress.poll(lambda: asked.append(1) or {1: "killed by signal 9"})
+    assert ended == [0, 1] and asked == []  # (each answered: each finished the cell)
+    assert [v.status for v in progress.views.values()] == ["done", "error"]
+
+
+def test_a_rank_not_answered_or_failed_to_reach_is_named_dead_by_its_process():
+    from concurrent.futures import Future
+
+    failed, waiting = Future(), Future()
+    failed.set_exception(RuntimeError("the engine died"))  # (what the queue says of it)
+    asked = []
+    dead = {1: "killed by signal 9", 2: "exited with code 3"}
+    progress = _progress(_answered(), failed, waiting, Future())
+    ended = progress.poll(lambda: asked.append(1) or dead)
+    assert ended == [0] and len(asked) == 1  # (asked once a poll, whatever the ranks)
+    assert [v.status for v in progress.views.values()] == ["done", "dead", "dead", "running"]
+    assert [v.exit for v in progress.views.values()] == [None, *dead.values(), None]
+    failed_alive = Future()
+    failed_alive.set_exception(RuntimeError("unreachable"))
+    progress = _progress(failed_alive)
+    assert progress.poll(dict) == [0]  # (its process lives: the failure is the cell's error)
+    assert progress.views[0].status == "error"

@@ -94,7 +94,7 @@ class CellWatch:
 
     def poll(self) -> None:
         self.streamer.poll()
-        ended = self.progress.poll(self.cluster.dead_ranks())
+        ended = self.progress.poll(self.cluster.dead_ranks)
         self._serve_prompts()
         self.releases.note_ended(ended)
         now = time.monotonic()
@@ -162,7 +162,7 @@ class CellWatch:
     def _last_output(self) -> None:
         """Every rank's output before the cell ends (its 'idle'; never a dead rank's)."""
         if self.running():  # given up on: one more look, so a rank that died is named
-            self.progress.poll(self.cluster.dead_ranks())
+            self.progress.poll(self.cluster.dead_ranks)
         if not self.running():
             dead = any(v.status == "dead" for v in self.views.values())
             self.ar.wait_for_output(

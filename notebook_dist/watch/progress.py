@@ -8,6 +8,7 @@ what ipyparallel keeps for the cell's message.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..values import unpack
@@ -62,11 +63,15 @@ class Progress:
         """Whether a running rank waits for the user (its debugger, input())."""
         return any(v.snap.get("asking") for v in self.views.values() if v.status == "running")
 
-    def poll(self, dead: dict[int, str]) -> list[int]:
-        """Read every rank once; returns the ranks whose reply came in this poll."""
+    def poll(self, dead_ranks: Callable[[], dict[int, str]]) -> list[int]:
+        """Read every rank once; returns the ranks whose reply came in this poll.
+        ``dead_ranks()`` (the ranks whose process ended, and how) is asked only for a rank
+        still running whose reply has not come, or came as a failure: a rank that answered
+        finished the cell, and most polls of a short cell find every rank so."""
         ended = []
         progressed = False
         views, token = self.views, self.token
+        dead = None
         for r, md, fut in zip(self.ranks, self.metadata, self.futures):
             v = views[r]
             if v.status == "running":
@@ -78,9 +83,13 @@ class Progress:
                 if snap and snap is not v.published and snap.get("cell_token") == token:
                     v.published = snap
                     v.snap = dict(snap, received=time.time())
-                if r in dead:
-                    v.status, v.exit, v.dead_at = "dead", dead[r], time.time()
-                elif fut.done():
+                done = fut.done()
+                if not (done and _answered(fut)):
+                    dead = dead_ranks() if dead is None else dead
+                    if r in dead:
+                        v.status, v.exit, v.dead_at = "dead", dead[r], time.time()
+                        done = False
+                if done:
                     self._take_reply(v, fut)
                     ended.append(r)
             if v.status == "running":
@@ -108,6 +117,14 @@ class Progress:
         except Exception as exc:  # engine-level failure
             v.status = "error"
             v.result = {"status": "error", "error": engine_error(exc)}
+
+
+def _answered(fut) -> bool:
+    """Whether a finished reply is the rank's own answer, not a failure to reach it."""
+    try:
+        return not isinstance(fut.result(), BaseException)
+    except BaseException:
+        return False
 
 
 def fingerprint(v: RankView, md: dict) -> tuple:

@@ -158,6 +158,38 @@ def is_running(proc: Started) -> bool:
     return bool(fields) and fields[0] not in ("Z", "X")
 
 
+class ExitWatch:
+    """Whether one recorded process still runs, asked in one system call: its pidfd turns
+    readable as it ends (a zombie has ended). :func:`is_running` reads ``/proc/PID/stat``
+    twice, which for a process of many threads, the controller, cost 277 µs from a cold
+    cache against 34 µs warm (measured here): before every cell, most of them run from an
+    idle kernel. Without pidfds (Linux before 5.3, other systems), :func:`is_running`."""
+
+    def __init__(self, proc: Started):
+        import select
+
+        self.proc = proc
+        self._fd = self._poll = None
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            return
+        if start_time(proc.pid) != proc.start:  # (another's pid now: is_running says so)
+            os.close(fd)
+            return
+        self._fd, self._poll = fd, select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def running(self) -> bool:
+        poll = self._poll
+        return is_running(self.proc) if poll is None else not poll.poll(0)
+
+    def close(self) -> None:
+        fd, self._fd, self._poll = self._fd, None, None
+        if fd is not None:
+            os.close(fd)
+
+
 def send(proc: Started, sig: int) -> bool:
     """Signal one recorded process; False (nothing sent) when :func:`refusal` says no."""
     if refusal(proc) is not None:

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,37 @@ def test_a_pid_with_another_start_time_is_not_the_process_that_was_started():
         assert signals.end([reused], grace_s=0.1) == [] and child.poll() is None
         assert signals.send(proc, signal.SIGTERM) is True and _gone(child)
         assert signals.is_running(proc) is False and signals.send(proc, 0) is False
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_an_exit_watch_sees_its_process_end_and_never_another_at_its_pid():
+    child = _child()
+    try:
+        proc = _record(child)
+        watch = signals.ExitWatch(proc)
+        assert watch.running() is True
+        child.kill()
+        deadline = time.monotonic() + 5
+        while watch.running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.running() is False
+        # ended, not yet waited for: a zombie, as a crashed controller is until reaped
+        assert signals._stat(child.pid)[0] == "Z"
+        assert signals.is_running(proc) is False
+        watch.close()
+        assert watch.running() is False  # (asked of its record once closed)
+        child.wait()
+        other = _child()  # a record whose start time is not its pid's process's
+        try:
+            assert (
+                signals.ExitWatch(_forged(other.pid, str(int(proc.start) - 1))).running() is False
+            )
+            assert signals.ExitWatch(_record(other)).running() is True
+        finally:
+            other.kill()
+            other.wait()
     finally:
         child.kill()
         child.wait()

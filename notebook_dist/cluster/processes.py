@@ -24,7 +24,7 @@ from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
 from ..runtime.state import rank_file
-from ..signals import Started
+from ..signals import ExitWatch, Started
 from . import engines
 from .launchers import Launcher
 
@@ -72,6 +72,7 @@ class Processes:
         self.forks = None
         #: the notebook's calls' direct route to local engines (cluster/lane.py), if any
         self.lane = None
+        self.controller: ExitWatch | None = None  # whether the controller still runs
 
     # ---- starting ---------------------------------------------------------------------
 
@@ -91,6 +92,7 @@ class Processes:
         controller = self.record(cluster.controller, "controller")
         if controller is not None:
             self.reaper.watch(controller, anchor=True)
+            self.controller = ExitWatch(controller)
         # a fork server with nothing left to load (started ahead): the engines are forked
         # while the controller starts, and wait for its file. Else the client connects, and
         # imports what its first call needs, while the server still imports torch (engines
@@ -221,10 +223,7 @@ class Processes:
         return dead
 
     def controller_alive(self) -> bool:
-        from ..signals import is_running
-
-        controller = next((p for p in self.started if p.what == "controller"), None)
-        return controller is not None and is_running(controller)
+        return self.controller is not None and self.controller.running()
 
     def check_alive(self, ranks: list[int]) -> None:
         """Refuse at once (nothing is sent) when the controller or a selected rank is gone."""
@@ -270,6 +269,8 @@ class Processes:
         from ..signals import end
 
         ended = end(self.started)
+        if self.controller is not None:
+            self.controller.close()
         if self.reaper is not None:
             self.reaper.release()
         for path in (self.profile_dir, *also_remove):

@@ -83,14 +83,14 @@ class Progress:
                 if snap and snap is not v.published and snap.get("cell_token") == token:
                     v.published = snap
                     v.snap = dict(snap, received=time.time())
-                done = fut.done()
-                if not (done and _answered(fut)):
+                reply = _reply(fut) if fut.done() else _NONE
+                if reply is _NONE or isinstance(reply, BaseException):
                     dead = dead_ranks() if dead is None else dead
                     if r in dead:
                         v.status, v.exit, v.dead_at = "dead", dead[r], time.time()
-                        done = False
-                if done:
-                    self._take_reply(v, fut)
+                        reply = _NONE
+                if reply is not _NONE:
+                    self._take_reply(v, reply)
                     ended.append(r)
             if v.status == "running":
                 fp = fingerprint(v, md)
@@ -104,10 +104,9 @@ class Progress:
         return ended
 
     @staticmethod
-    def _take_reply(v: RankView, fut) -> None:
+    def _take_reply(v: RankView, reply) -> None:
         try:
-            reply = fut.result()
-            if isinstance(reply, BaseException):  # our rank side failed itself
+            if isinstance(reply, BaseException):  # not reached, or our rank side failed
                 raise reply
             v.result = unpack(reply)
             v.status = "error" if v.result["status"] == "error" else "done"
@@ -119,12 +118,17 @@ class Progress:
             v.result = {"status": "error", "error": engine_error(exc)}
 
 
-def _answered(fut) -> bool:
-    """Whether a finished reply is the rank's own answer, not a failure to reach it."""
+#: no reply (yet) from a rank
+_NONE = object()
+
+
+def _reply(fut):
+    """A finished future's reply: the rank's answer, or the exception that came instead
+    (the rank not reached, or our rank side failed)."""
     try:
-        return not isinstance(fut.result(), BaseException)
-    except BaseException:
-        return False
+        return fut.result()
+    except BaseException as exc:
+        return exc
 
 
 def fingerprint(v: RankView, md: dict) -> tuple:

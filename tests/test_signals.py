@@ -164,10 +164,11 @@ def test_an_exit_watch_sees_its_process_end_and_never_another_at_its_pid():
         child.wait()
         other = _child()  # a record whose start time is not its pid's process's
         try:
-            assert (
-                signals.ExitWatch(_forged(other.pid, str(int(proc.start) - 1))).running() is False
-            )
-            assert signals.ExitWatch(_record(other)).running() is True
+            reused = signals.ExitWatch(_forged(other.pid, str(int(proc.start) - 1)))
+            live = signals.ExitWatch(_record(other))
+            assert reused.running() is False and live.running() is True
+            reused.close()
+            live.close()  # (its pidfd: a test leaves no descriptor open)
         finally:
             other.kill()
             other.wait()

@@ -39,6 +39,88 @@ def test_records_come_whole_however_the_bytes_are_cut():
     assert rt_pipes.reply_record(b"e", [b"x" * rt_pipes.PIPE_BUF]) is None
 
 
+def _rings(bell: int) -> int:
+    """How many times the bell rang since the last look (its bytes taken)."""
+    try:
+        return len(os.read(bell, 4096))
+    except BlockingIOError:
+        return 0
+
+
+def test_a_calls_last_reply_rings_the_bell_once_however_late_ranks_take_tokens(tmp_path):
+    """The count's tokens: of a call's ranks, only the one that takes the last token
+    rings. A rank of an earlier call that takes one of this call's tokens late leaves the
+    last rank of this call none: it rings all the same. Tokens an earlier call left (a rank
+    that died before it took its own) are taken before a call's are written, so they never
+    ring for it early, and a rank the notebook did not reach by its pipe is counted down
+    by the notebook."""
+    from notebook_dist.cluster.pipes import RankPipes
+
+    pipes = RankPipes(str(tmp_path / "pipes"))
+    try:
+        count, bell = pipes.count_fd, pipes.bell
+        assert pipes.count(3)
+        for rang in (0, 0, 1):  # (three ranks answer: the third rings)
+            rt_pipes.count_down(count, bell)
+            assert _rings(bell) == rang
+        assert pipes.count(2)
+        rt_pipes.count_down(count, bell)  # (a rank of an earlier call, late: takes 1)
+        rt_pipes.count_down(count, bell)  # (this call's first rank takes 0: rings early)
+        assert _rings(bell) == 1
+        rt_pipes.count_down(count, bell)  # (its last finds none: rings, as it must)
+        assert _rings(bell) == 1
+        assert pipes.count(3)
+        rt_pipes.count_down(count, bell)  # (a rank that then dies leaves 2 tokens)
+        assert pipes.count(2)  # (they are taken first)
+        rt_pipes.count_down(count, bell)
+        assert _rings(bell) == 0
+        pipes.uncount()  # (a rank not reached by its pipe, counted down by the notebook)
+        assert _rings(bell) == 1
+        assert not pipes.count(rt_pipes.PIPE_BUF)  # (more tokens than one whole write)
+    finally:
+        pipes.close()
+    assert not os.path.exists(tmp_path / "pipes")
+
+
+def test_a_cells_replies_wake_the_notebook_once_and_a_call_sent_meanwhile_each_time():
+    """A cell's ranks answer through the pipes and ring the bell once: the notebook's
+    wait wakes for the bell, not for each reply. A call sent while another waits is not
+    counted; its reply is read as it comes, and the next cell rings again."""
+    import time as _time
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    with DistCluster(n=4, config=DistConfig(spare_engines=0)) as c:
+        c.run("pass")
+        lane, ids, view = c.processes.lane, c.processes.engine_ids, c.processes.view
+        route = lane.route
+        rang, seen = [], _spied(route)
+        ring, poll, woke = route.pipes.rang, route._bell_poller.poll, set()
+        route.pipes.rang = lambda: (rang.append(1), ring())[1]
+
+        def polled(timeout):  # (what each wait of a cell woke for)
+            ready = poll(timeout)
+            woke.update(fd for fd, _ in ready)
+            return ready
+
+        route._bell_poller.poll = polled
+        for i in range(10):
+            assert dict(c.run(f"nd.rank + {i}").values) == {r: r + i for r in range(4)}
+        assert len(rang) == 10 and seen == {"pipe": 40, "socket": 0}
+        assert route.pipes.bell in woke and route.pipes.fd not in woke
+
+        slow = lane.express(ids[:1], view, _time.sleep, 1.0)  # (counted: alone)
+        quick = lane.express(ids[1:2], view, os.getpid)  # (sent while it waits)
+        assert quick.wait(30) and not slow.ready()
+        assert quick._children[0].result() == c.processes.rank_procs[1].pid
+        assert slow.wait(30) and len(rang) == 11
+        for call in (slow, quick):
+            call.forget()
+        assert dict(c.run("nd.rank").values) == {r: r for r in range(4)}
+        assert len(rang) == 12
+
+
 def _spied(route):
     """Count the replies that came by the pipe and the messages that came by the socket."""
     seen = {"pipe": 0, "socket": 0}
@@ -75,9 +157,11 @@ def test_a_cells_request_and_reply_go_through_the_pipes_and_what_does_not_fit_by
         folder = route.pipes.folder
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
         # the request pipes' names went once both ends held them
-        assert os.listdir(folder) == [rt_pipes.REPLIES]
-        replies = os.stat(os.path.join(folder, rt_pipes.REPLIES))
-        assert stat.S_ISFIFO(replies.st_mode) and stat.S_IMODE(replies.st_mode) == 0o600
+        shared = [rt_pipes.BELL, rt_pipes.COUNT, rt_pipes.REPLIES]
+        assert sorted(os.listdir(folder)) == shared
+        for name in shared:
+            made = os.stat(os.path.join(folder, name))
+            assert stat.S_ISFIFO(made.st_mode) and stat.S_IMODE(made.st_mode) == 0o600
 
         seen = _spied(route)
         out = io.StringIO()

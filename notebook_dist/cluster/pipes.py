@@ -26,11 +26,21 @@ class RankPipes:
     def __init__(self, folder: str):
         os.makedirs(folder, mode=0o700)
         self.folder = folder
-        path = os.path.join(folder, rt_pipes.REPLIES)
-        os.mkfifo(path, 0o600)
-        self.fd = rt_pipes.open_pipe(path, os.O_RDWR)
+        # the replies' pipe, and the count's and the bell's (``runtime/pipes.py``, COUNT)
+        fds: list[int] = []
+        try:
+            for name in (rt_pipes.REPLIES, rt_pipes.COUNT, rt_pipes.BELL):
+                path = os.path.join(folder, name)
+                os.mkfifo(path, 0o600)
+                fds.append(rt_pipes.open_pipe(path, os.O_RDWR))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self.fd, self.count_fd, self.bell = fds
         self.to: dict[str, tuple[int, int]] = {}  # engine uuid -> (its pipe, its capacity)
         self._records = rt_pipes.RecordStream()
+        self._tokens: dict[int, bytes] = {}
 
     @classmethod
     def make(cls, folder: str | None) -> RankPipes | None:
@@ -94,6 +104,26 @@ class RankPipes:
             f"its pipe ({room // 1024} KiB); it is still running an earlier call"
         )
 
+    def count(self, n: int) -> bool:
+        """Tokens for a call's ``n`` piped ranks to count their replies down with (what
+        an earlier call left first taken); False when they do not fit in one write."""
+        tokens = self._tokens.get(n)
+        if tokens is None:
+            tokens = self._tokens[n] = rt_pipes.tokens(n)
+        if len(tokens) > rt_pipes.PIPE_BUF:
+            return False
+        _drain(self.count_fd)
+        os.write(self.count_fd, tokens)
+        return True
+
+    def uncount(self) -> None:
+        """A token taken for a rank the call did not reach by its pipe."""
+        rt_pipes.count_down(self.count_fd, self.bell)
+
+    def rang(self) -> None:
+        """The bell's bytes taken (it rang)."""
+        _drain(self.bell)
+
     def replies(self) -> list[tuple[str, list]]:
         """Every reply that has come: (engine uuid, its frames), in the order written."""
         out = []
@@ -134,7 +164,17 @@ class RankPipes:
     def close(self) -> None:
         for engine in list(self.to):
             self.drop(engine)
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
+        fds, self.fd = (self.fd, self.count_fd, self.bell), None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _drain(fd: int) -> None:
+    """Whatever waits in a pipe of the notebook's own, taken."""
+    try:
+        while len(os.read(fd, rt_pipes.READ)) == rt_pipes.READ:
+            pass
+    except BlockingIOError:
+        pass

@@ -14,7 +14,7 @@ import logging
 import pickle
 import threading
 
-from ..runtime.lane import HELLO, REPLY, REPLY_HEAD, REQUEST, SNDMORE, received
+from ..runtime.lane import COUNTED, HELLO, REPLY, REPLY_HEAD, REQUEST, SNDMORE, received
 from ..runtime.pipes import record
 from ..values import discard
 from .express import ExpressError, Records
@@ -47,10 +47,16 @@ class ExpressRoute:
         self.records = Records.install(client)
         self.seal = seal
         self.pipes = RankPipes.make(pipe_dir)  # (None: the socket alone)
-        self._poller = zmq.Poller()
-        self._poller.register(socket, zmq.POLLIN)
+        # what a wait wakes for: the socket and the pipes' bell (a counted call's piped
+        # replies are all in); while a call waits that is not counted, each piped reply too
+        self._bell_poller, self._each_poller = zmq.Poller(), zmq.Poller()
+        self._each_reply = False  # (a call not counted waits)
+        for poller in (self._bell_poller, self._each_poller):
+            poller.register(socket, zmq.POLLIN)
+            if self.pipes is not None:
+                poller.register(self.pipes.bell, zmq.POLLIN)
         if self.pipes is not None:
-            self._poller.register(self.pipes.fd, zmq.POLLIN)
+            self._each_poller.register(self.pipes.fd, zmq.POLLIN)
 
     @property
     def join_url(self) -> str:
@@ -62,6 +68,7 @@ class ExpressRoute:
         every rank) to ``engines``; their replies finish ``result``'s (an ExpressResult's)
         children."""
         with self._lock:
+            alone = not self.pending  # (the only call waiting: its piped replies count down)
             self.pending.update(zip(msg_ids, result._children))
             send, via = self._socket.send, self.via_relay
             if via.issuperset(engines):  # (every rank through the relay: no look at each)
@@ -69,14 +76,16 @@ class ExpressRoute:
             else:
                 relayed = [e for e in engines if e in via]
                 direct = [(e, m) for e, m in zip(engines, msg_ids) if e not in via]
-            sealed = piped = None
+            sealed = None
             piping = self.pipes.to if self.pipes is not None else {}
+            counted, piped = self._piped_request(body, direct, piping, alone)
             for engine, msg_id in direct:
                 if engine in piping:
-                    piped = piped or record(REQUEST + body)
                     failed = self.pipes.send(engine, piped)
                     if failed is None:
                         continue
+                    if counted:  # (its rank will not count down: done for it)
+                        self.pipes.uncount()
                     how, why = failed
                     if how == "full":  # (this call fails; the rank is reached as before)
                         self._failed(msg_id, why, wrote=False)
@@ -97,6 +106,19 @@ class ExpressRoute:
                 except Exception as exc:  # the relay ended: its ranks rejoin directly
                     for engine in relayed:
                         self._unreached(f"{base}-{engine}", engine, f"relay gone: {exc}")
+
+    def _piped_request(self, body: bytes, direct: list, piping: dict, alone: bool):
+        """Whether the ranks reached by their pipes count their replies down, and the
+        request's record for them (None: none is). Counted when this call is ``alone``:
+        its last piped reply rings the pipes' bell, so a wait wakes once for them all, not
+        for each few ranks that answered together. A call sent while another waits is not:
+        each of its piped replies wakes a wait, until no call waits."""
+        n = sum(1 for engine, _ in direct if engine in piping) if piping else 0
+        if not n:
+            return False, None
+        counted = alone and self.pipes.count(n)
+        self._each_reply = (self._each_reply and not alone) or not counted
+        return counted, record((COUNTED if counted else REQUEST) + body)
 
     def pipes_for(self, engines: list[str]) -> str | None:
         """A request pipe for each engine about to join, their folder (None: they join the
@@ -170,15 +192,22 @@ class ExpressRoute:
             return
         try:
             sock = self._socket
-            ready = dict(self._poller.poll(int(timeout * 1000))) if sock is not None else {}
-            if not ready:
-                self._relay_check()  # (a relay's end is looked for while nothing comes)
-                return
-            if self.pipes is not None and self.pipes.fd in ready:
-                for engine, frames in self.pipes.replies():
+            poller = self._each_poller if self._each_reply else self._bell_poller
+            ready = dict(poller.poll(int(timeout * 1000))) if sock is not None else {}
+            pipes = self.pipes
+            # the piped replies are read when the bell rang, when each wakes a wait, and
+            # when nothing came (a counted call with a rank yet to answer, or dead)
+            if pipes is not None and (not ready or pipes.bell in ready or pipes.fd in ready):
+                if pipes.bell in ready:
+                    pipes.rang()
+                for engine, frames in pipes.replies():
                     first = frames[0]
                     if first[:1] == REPLY:  # (a rank's hello comes by the socket, sealed)
                         self._one(engine, REPLY, first[1:], frames[1:], False)
+                self._each_reply = self._each_reply and bool(self.pending)
+            if not ready:
+                self._relay_check()  # (a relay's end is looked for while nothing comes)
+                return
             if sock not in ready:
                 return
             while True:

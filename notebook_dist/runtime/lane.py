@@ -32,6 +32,8 @@ from typing import Any
 
 #: the first byte of a sealed frame on the express route: a request, its reply, a hello
 REQUEST, REPLY, HELLO = b"Q", b"R", b"H"
+#: a request on a rank's pipe whose reply counts down (``runtime/pipes.py``, COUNT)
+COUNTED = b"C"
 #: a reply's body begins with the request's id (32 hex digits), then status, wrote and how
 #: (a byte each)
 REPLY_HEAD = 35
@@ -119,17 +121,25 @@ def _join_pipes(kernel, sock, pipe_dir: str) -> None:
 
     from . import pipes
 
-    try:
-        fd = pipes.open_pipe(os.path.join(pipe_dir, kernel.ident), os.O_RDONLY)
+    fds: list[int] = []
+    try:  # (the request pipe last: a rank holds it only with the others, for the notebook
+        # takes one that is open as the rank's promise to count its replies down)
+        for name, mode in (
+            (pipes.REPLIES, os.O_WRONLY),
+            (pipes.COUNT, os.O_RDONLY),
+            (pipes.BELL, os.O_WRONLY),
+            (kernel.ident, os.O_RDONLY),
+        ):
+            fds.append(pipes.open_pipe(os.path.join(pipe_dir, name), mode))
     except OSError:  # not on the notebook's machine
+        for fd in fds:
+            os.close(fd)
         return
-    try:
-        reply_fd = pipes.open_pipe(os.path.join(pipe_dir, pipes.REPLIES), os.O_WRONLY)
-    except OSError:
-        os.close(fd)
-        return
+    reply_fd, count_fd, bell_fd, fd = fds
     reader = pipes.PipeReader(
-        fd, reply_fd, kernel.io_loop, lambda b: serve_piped(kernel, sock, reader, b)
+        (fd, reply_fd, count_fd, bell_fd),
+        kernel.io_loop,
+        lambda b: serve_piped(kernel, sock, reader, b),
     )
     _STREAM.append(reader)
 
@@ -244,7 +254,8 @@ def serve_express(kernel, sock, frames: list) -> None:
 def serve_piped(kernel, sock, reader, body) -> None:
     """One express request from the rank's pipe: answered in the notebook's pipe when
     the reply fits (else by the socket)."""
-    if body[:1] != REQUEST:
+    kind = body[:1]
+    if kind != REQUEST and kind != COUNTED:
         kernel.log.error("Not an express request on the rank's pipe: dropped")
         return
     ident = kernel.ident.encode()
@@ -255,6 +266,8 @@ def serve_piped(kernel, sock, reader, body) -> None:
         record = reply_record(ident, [REPLY + first, *extra])
         if record is None or not reader.reply(record):
             _by_socket(_seal(kernel.session), sock, first, extra)
+        if kind == COUNTED:
+            reader.count_down()
 
     answer(kernel, body[1:], send)
 

@@ -88,7 +88,12 @@ def bootstrap_ci95(
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
-def _torchrun(args: list[str], timeout: float = 300, retry: bool = True) -> tuple[float, str]:
+def _torchrun(
+    args: list[str], timeout: float = 300, retry: bool = True, batch: bool = False
+) -> tuple[float, str]:
+    """torchrun_job.py under torchrun on 2 workers: its time and its output. ``batch``:
+    torchrun and its workers under Linux's SCHED_BATCH, as ``chrt -b 0 torchrun`` runs
+    them (what notebook_dist's CPU ranks run under, ``DistConfig.rank_scheduling``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     out = subprocess.run(
@@ -105,6 +110,7 @@ def _torchrun(args: list[str], timeout: float = 300, retry: bool = True) -> tupl
         text=True,
         timeout=timeout,
         env=env,
+        preexec_fn=_batch if batch else None,
     )
     elapsed = time.perf_counter() - t0
     if out.returncode != 0:
@@ -113,9 +119,13 @@ def _torchrun(args: list[str], timeout: float = 300, retry: bool = True) -> tupl
                 f"torchrun failed ({out.returncode}); once more. Its stderr began:\n{out.stderr[:1500]}",
                 file=sys.stderr,
             )
-            return _torchrun(args, timeout, retry=False)
+            return _torchrun(args, timeout, retry=False, batch=batch)
         raise RuntimeError(out.stderr[:1500] + "\n...\n" + out.stderr[-1500:])
     return elapsed, out.stdout
+
+
+def _batch() -> None:
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 def startup(reps: int) -> dict:
@@ -816,7 +826,11 @@ def _widget_feed():
 
 
 def training(cluster, steps: int, reps: int) -> dict:
+    """DDP steps/s under ``%%distributed`` with the dashboard fed, and under torchrun, its
+    workers under the policy the cluster's ranks run under (``scheduling`` compares the
+    policies)."""
     cluster.run(TRAIN_SETUP).raise_for_errors()
+    batch = {i["scheduling"] for i in cluster.bootstrap_info} == {"batch"}
     ours, theirs = [], []
     for _ in range(reps):
         feed = _widget_feed()
@@ -825,14 +839,56 @@ def training(cluster, steps: int, reps: int) -> dict:
         check_steps(r.values, steps)
         assert feed.updates > 0, "the dashboard was never fed"
         ours.append(r.values[0][0])
-        _, stdout = _torchrun(["train", str(steps)])
+        _, stdout = _torchrun(["train", str(steps)], batch=batch)
         rate, ran = stdout.split("RESULT ")[1].split()[:2]
         assert int(ran) == steps, stdout
         theirs.append(float(rate))
     return {
+        "scheduling": "batch" if batch else "normal",
         "notebook_steps_per_s": summarize(ours),
         "torchrun_steps_per_s": summarize(theirs),
         "notebook_vs_torchrun": ratio(ours, theirs),
+    }
+
+
+def scheduling(steps: int, reps: int) -> dict:
+    """DDP steps/s of 2 CPU ranks under SCHED_BATCH (the default on CPU,
+    ``DistConfig.rank_scheduling``) and under the normal policy: two clusters, their cells
+    alternated, the order flipped every round; and torchrun's same loop under each policy
+    in the same rounds. No widget is fed: the loop alone, with its nd.report each step."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    loop = TIMED_LOOP.replace("STEPS", str(steps))
+    policies = ("batch", "normal")
+    clusters = {}
+    try:
+        for policy in policies:
+            config = DistConfig(spare_engines=0, rank_scheduling=policy)
+            c = clusters[policy] = DistCluster(n=2, config=config).start()
+            assert [i["scheduling"] for i in c.bootstrap_info] == [policy] * 2, policy
+            c.run(TRAIN_SETUP).raise_for_errors()
+            c.run(TIMED_LOOP.replace("STEPS", "20")).raise_for_errors()  # (its first steps)
+        got: dict[str, list[float]] = {k: [] for k in ("batch", "normal", "tr_batch", "tr_normal")}
+        for i in range(reps):
+            for policy in policies if i % 2 == 0 else policies[::-1]:
+                r = clusters[policy].run(loop)
+                r.raise_for_errors()
+                check_steps(r.values, steps)
+                got[policy].append(r.values[0][0])
+                _, stdout = _torchrun(["train", str(steps)], batch=policy == "batch")
+                rate, ran = stdout.split("RESULT ")[1].split()[:2]
+                assert int(ran) == steps, stdout
+                got[f"tr_{policy}"].append(float(rate))
+    finally:
+        for c in clusters.values():
+            c.shutdown()
+    return {
+        **{f"{k}_steps_per_s": summarize(v) for k, v in got.items()},
+        "batch_vs_normal": ratio(got["batch"], got["normal"]),
+        "torchrun_batch_vs_normal": ratio(got["tr_batch"], got["tr_normal"]),
+        "batch_vs_torchrun_batch": ratio(got["batch"], got["tr_batch"]),
+        "normal_vs_torchrun_normal": ratio(got["normal"], got["tr_normal"]),
     }
 
 

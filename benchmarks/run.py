@@ -149,6 +149,18 @@ TARGETS = [
         0.97,
     ),
     (
+        "scheduling: DDP steps/s, CPU ranks under SCHED_BATCH / normal",
+        ("scheduling", "batch_vs_normal", "pair_median"),
+        ">=",
+        1.0,
+    ),
+    (
+        "scheduling: the same, / torchrun's workers under SCHED_BATCH",
+        ("scheduling", "batch_vs_torchrun_batch", "pair_median"),
+        ">=",
+        0.97,
+    ),
+    (
         "dashboard: DDP steps/s on / off (geometric mean of pairs)",
         ("dashboard", "on_vs_off", "pair_geomean"),
         ">=",
@@ -225,6 +237,7 @@ CASE_NAMES = (
     "transfer",
     "tracking",
     "training",
+    "scheduling",
     "dashboard",
     "growth",
     "bench",
@@ -306,6 +319,9 @@ def main(argv=None) -> int:
                     results[name] = fn(cluster)
         finally:
             session.shutdown()
+    if "scheduling" in only:
+        print("scheduling ...", flush=True)
+        results["scheduling"] = cases.scheduling(200 if quick else 1200, 2 if quick else 7)
     if "heal" in only:
         print("heal ...", flush=True)
         results["heal"] = cases.heal_and_restart(3 if quick else 9)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .config import SCHEDULING
 from .errors import PreflightError
 
 #: ``%dist_init --preload``: DistConfig.preload_ranks
@@ -42,6 +43,8 @@ class ClusterRequest:
     heal_copy: str | None = field(default=None, compare=False)  # "model,opt"
     #: "on", "off" or "auto": DistConfig.preload_ranks (for the starts from now on)
     preload: str | None = field(default=None, compare=False)
+    #: "auto", "batch" or "normal": DistConfig.rank_scheduling (for the starts from now on)
+    scheduling: str | None = field(default=None, compare=False)
 
     @property
     def attach(self) -> bool:
@@ -70,6 +73,8 @@ class ClusterRequest:
             raise PreflightError(f"--spares {self.spares}: give 0 or more engines")
         if self.preload not in (None, *PRELOAD):
             raise PreflightError(f"--preload {self.preload}: give auto, on or off")
+        if self.scheduling not in (None, *SCHEDULING):
+            raise PreflightError(f"--scheduling {self.scheduling}: give auto, batch or normal")
         if self.heal not in (None, "auto", "off"):
             raise PreflightError(f"--heal {self.heal}: give auto or off")
         for name in (self.heal_copy or "").split(","):
@@ -88,6 +93,8 @@ class ClusterRequest:
             config.heal_copy = tuple(n.strip() for n in self.heal_copy.split(",") if n.strip())
         if self.preload is not None:
             config.preload_ranks = PRELOAD[self.preload]
+        if self.scheduling is not None:
+            config.rank_scheduling = self.scheduling
         if self.spares is not None:
             config.spare_engines = self.spares
             cluster.processes.pool.resize(self.spares)

@@ -129,6 +129,7 @@ def _bootstrap(processes, plan, config, ranks: list[int], port: int | None) -> l
                 config.flight_recorder_entries,
                 config.store_timeout_s(),
                 alone=port is None,
+                scheduling=config.scheduling(plan.backend),
             )
         )
     infos = []

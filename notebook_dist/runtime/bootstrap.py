@@ -39,16 +39,20 @@ def bootstrap(
     flight_recorder_entries: int | None = None,
     store_timeout_s: float | None = None,
     alone: bool = False,
+    scheduling: str = "normal",
 ) -> dict:
     """Set torchrun's environment, pin the device, and initialise the default group.
 
     ``overrides`` are interactive-safe settings; a user-set value that differs is
     replaced and reported back, so the notebook can say so. ``alone``: a stand-in for a
     dead rank joins a group of its own first (``runtime.heal``); the real one is made
-    with the survivors afterwards.
+    with the survivors afterwards. ``scheduling``: ``"batch"`` runs the rank's threads
+    under Linux's SCHED_BATCH (``DistConfig.rank_scheduling``), before the group makes
+    its own threads, which take the policy of the thread that makes them.
     """
     t0 = time.perf_counter()
     overridden = _set_environment(env, overrides)
+    scheduled = schedule(scheduling)
 
     import torch
     import torch.distributed as dist
@@ -96,7 +100,31 @@ def bootstrap(
         "import_s": t_import,
         "init_s": time.perf_counter() - t0,
         "overridden": overridden,
+        "scheduling": scheduled,
     }
+
+
+def schedule(policy: str) -> str:
+    """Every thread of this process under Linux's ``SCHED_BATCH`` when ``policy`` is
+    ``"batch"``, and back under the normal policy when it was made batch here and
+    ``policy`` is ``"normal"`` (a policy the user gave the engine is left as it is);
+    returns the policy it runs under (``"normal"`` where the system has no such policy, or
+    refuses it). Threads made later take their maker's policy."""
+    batch = policy == "batch"
+    if not hasattr(os, "SCHED_BATCH") or batch == _BATCHED[0]:
+        return "batch" if _BATCHED[0] else "normal"
+    how, param = (os.SCHED_BATCH if batch else os.SCHED_OTHER), os.sched_param(0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), how, param)
+            _BATCHED[0] = batch
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    return "batch" if _BATCHED[0] else "normal"
+
+
+#: [whether this process's threads were made SCHED_BATCH here]
+_BATCHED = [False]
 
 
 def _set_environment(env: dict[str, str], overrides: dict[str, str]) -> dict[str, str]:

@@ -92,29 +92,11 @@ class DistConfig:
         return local_ranks > (os.cpu_count() or 1)
 
     rank_scheduling: str = "auto"
-    """How Linux schedules each rank's threads (``%dist_init --scheduling``). ``"batch"``
-    (``SCHED_BATCH``): a rank's thread that wakes does not take the core from the thread
-    running there; it runs when that one blocks or has had its share. Gloo's threads (a
-    rank's transport loop and workers, beside the thread that computes) wake one another
-    many times a step, and each wake-up took the core from a thread doing the work: on 2
-    cores a DDP loop ran about twice as many steps a second under ``"batch"``, at 2 and at
-    4 ranks, and a torchrun job gained the same under ``chrt -b 0`` (docs/benchmarks.md).
-    The notebook's kernel keeps the normal policy: it still takes a core at once when it
-    wakes, so the dashboard and the stop button stay quick while the ranks work, and a
-    cell reaches every rank before any of them takes the kernel's core. ``"normal"``: as
-    any process. ``"auto"`` (the default): ``"batch"`` for ranks on CPU (Gloo),
-    ``"normal"`` for ranks on GPUs, which have cores of their own (not measured there)."""
-
-    def scheduling(self, backend: str) -> str:
-        """The policy a rank of ``backend`` runs under: ``"batch"`` or ``"normal"``."""
-        if self.rank_scheduling not in SCHEDULING:
-            raise ValueError(
-                f"DistConfig.rank_scheduling {self.rank_scheduling!r}: give "
-                + ", ".join(repr(s) for s in SCHEDULING)
-            )
-        if self.rank_scheduling == "auto":
-            return "batch" if backend == "gloo" else "normal"
-        return self.rank_scheduling
+    """How Linux schedules each rank's threads (``%dist_init --scheduling``): ``"batch"``
+    (``SCHED_BATCH``: a thread that wakes does not take the core from the one running
+    there; Gloo's DDP steps ran 1.95x as fast on 2 cores: docs/guide.md, "Defaults for
+    interactive use") or ``"normal"``. ``"auto"`` (the default): batch for ranks on CPU
+    (Gloo), normal on GPUs. The notebook keeps the normal policy."""
 
     spares_after_s: float = 3.0
     """The warm pool starts filling once a cluster has run this long, not while it
@@ -286,3 +268,15 @@ class DistConfig:
         if self.omp_num_threads is not None and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = self.omp_num_threads
         return env
+
+
+def scheduling(config: DistConfig, backend: str) -> str:
+    """The policy a rank of ``backend`` runs under, ``"batch"`` or ``"normal"``
+    (``DistConfig.rank_scheduling``)."""
+    asked = config.rank_scheduling
+    if asked not in SCHEDULING:
+        said = ", ".join(repr(s) for s in SCHEDULING)
+        raise ValueError(f"DistConfig.rank_scheduling {asked!r}: give {said}")
+    if asked == "auto":
+        return "batch" if backend == "gloo" else "normal"
+    return asked

@@ -35,12 +35,14 @@ _t.join()
 
 
 def test_policies_by_backend_and_what_is_refused():
-    assert DistConfig().scheduling("gloo") == "batch"
-    assert DistConfig().scheduling("nccl") == "normal"
-    assert DistConfig(rank_scheduling="batch").scheduling("nccl") == "batch"
-    assert DistConfig(rank_scheduling="normal").scheduling("gloo") == "normal"
+    from notebook_dist.config import scheduling
+
+    assert scheduling(DistConfig(), "gloo") == "batch"
+    assert scheduling(DistConfig(), "nccl") == "normal"
+    assert scheduling(DistConfig(rank_scheduling="batch"), "nccl") == "batch"
+    assert scheduling(DistConfig(rank_scheduling="normal"), "gloo") == "normal"
     with pytest.raises(ValueError, match="rank_scheduling 'fast': give 'auto', 'batch', 'normal'"):
-        DistConfig(rank_scheduling="fast").scheduling("gloo")
+        scheduling(DistConfig(rank_scheduling="fast"), "gloo")
     with pytest.raises(PreflightError, match="--scheduling fast: give auto, batch or normal"):
         ClusterRequest(n=2, scheduling="fast").check()
     for said in ("auto", "batch", "normal"):  # (planned, not started)

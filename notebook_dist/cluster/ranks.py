@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DistConfig
+from ..config import DistConfig, scheduling
 from ..errors import ClusterError
 from ..plan import ClusterPlan
 from ..runtime import bootstrap as rt_bootstrap
@@ -129,7 +129,7 @@ def _bootstrap(processes, plan, config, ranks: list[int], port: int | None) -> l
                 config.flight_recorder_entries,
                 config.store_timeout_s(),
                 alone=port is None,
-                scheduling=config.scheduling(plan.backend),
+                scheduling=scheduling(config, plan.backend),
             )
         )
     infos = []

@@ -360,3 +360,22 @@ def test_a_failure_of_the_ranks_own_machinery_reads_as_itself(live):
         assert "_broken" in err.traceback and "unpack" not in err.traceback
     assert dict(live.run("kept").values) == {0: 1, 1: 2}
     assert live.run("'profiled'", profile=True).values[0] == "profiled"
+
+
+def test_a_wait_on_engines_that_do_not_answer_ends_with_their_names(live):
+    """The kernel's waits on engines between cells (a probe, a spare's imports, the lane's
+    join, a profiled cell's clocks) end after their bound with the silent engines named;
+    the engines carry on, and the next cell runs once they are free."""
+    import time
+
+    from notebook_dist.cluster import engines
+    from notebook_dist.errors import ClusterError
+
+    ids = live.processes.engine_ids
+    with pytest.raises(ClusterError) as caught:
+        engines.answered(live.processes.view(ids[1:]), time.sleep, 4, within=0.5, what="a nap")
+    assert live.processes.client.outstanding  # (given up on while the rank still naps)
+    assert str(caught.value).startswith(f"engine {ids[1]} did not answer a nap within 0.5 s")
+    pids = engines.answered(live.processes.view(ids), os.getpid, within=30, what="a pid")
+    assert pids == [live.processes.rank_procs[r].pid for r in range(len(ids))]
+    assert dict(live.run("nd.rank").values) == {0: 0, 1: 1}

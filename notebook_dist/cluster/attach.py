@@ -24,7 +24,7 @@ from ..plan import rank_order
 from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
-from . import DistCluster
+from . import DistCluster, engines
 from .processes import Processes, stop_loop_thread
 from .ranks import remote_message
 
@@ -102,7 +102,13 @@ class AttachedCluster(DistCluster):
         client = _connect(profile, profile_dir, cluster_id, connect_timeout)
         try:
             ids = _engines(client, n, config.start_timeout_s)
-            probes = dict(zip(ids, client[ids].apply_sync(rt_host.probe)))
+            probes = engines.answered(
+                client[ids],
+                rt_host.probe,
+                within=config.start_timeout_s,
+                what="where it runs and which rank its launcher made it",
+            )
+            probes = dict(zip(ids, probes))
             self._engine_order = rank_order(probes)
             self._client_ready = client
             ordered = [probes[e] for e in self._engine_order]

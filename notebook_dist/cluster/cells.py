@@ -19,6 +19,7 @@ from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import cell as rt_cell
 from ..values import RankValues, pack, pack_named, through_file, unpack
 from ..watch import CellWatch
+from . import engines
 from .ranks import remote_message
 from .recovery import regain_group
 
@@ -377,6 +378,11 @@ def pull(cluster, names: list[str] | str, ranks: Any = None) -> dict[str, RankVa
     return {name: RankValues(v, name=name) for name, v in out.items()}
 
 
+#: how long a profiled cell waits for the ranks' clocks (seconds; ranks between cells answer
+#: in milliseconds)
+CLOCK_S = 30.0
+
+
 def clock_offsets(cluster, ranks: list[int], samples: int = 3) -> dict[int, int]:
     """Each rank's clock minus the kernel's, in ns. A rank on the kernel's machine reads the
     kernel's clock: 0, exactly (an estimate from a round trip through the controller could
@@ -392,7 +398,7 @@ def clock_offsets(cluster, ranks: list[int], samples: int = 3) -> dict[int, int]
     best: dict[str, tuple[int, int]] = {}  # clock: (round trip, offset)
     for _ in range(samples):
         t0 = time.time_ns()
-        stamps = view.apply_sync(clock)
+        stamps = engines.answered(view, clock, within=CLOCK_S, what="its clock's reading")
         t1 = time.time_ns()
         for r, (m, stamp) in zip(ranks, stamps):
             where[r] = m

@@ -66,6 +66,25 @@ def start_recorded(processes, n: int) -> tuple:
     return engine_set, launchers, recorded
 
 
+def answered(view, func, *args, within: float, what: str) -> list:
+    """``func(*args)`` on each engine of ``view``, its answers in the view's order, waited
+    for at most ``within`` seconds: engines that have not answered by then are named in a
+    :class:`~notebook_dist.errors.ClusterError` saying ``what`` they were asked, so no
+    wait of the kernel's on an engine lasts for ever (Ctrl-C ends it sooner)."""
+    ar = view.apply_async(func, *args)
+    try:
+        return ar.get(timeout=within)
+    except TimeoutError:
+        from ..errors import ClusterError
+
+        silent = [e for e, f in zip(view.targets, ar._children) if not f.done()]
+        raise ClusterError(
+            f"engine{'s' if len(silent) != 1 else ''} {', '.join(map(str, silent))} did not "
+            f"answer {what} within {within:g} s; a rank that is busy or stuck can be "
+            "stopped with %dist_shutdown"
+        ) from None
+
+
 def by_ssh(el) -> bool:
     """Whether a launcher started its engine over ssh (ipyparallel's ``SSHLauncher``)."""
     from ipyparallel.cluster.launcher import SSHLauncher

@@ -37,6 +37,7 @@ import time
 import uuid
 
 from ..runtime.lane import Seal
+from . import engines
 from .express import ExpressResult
 from .route import ExpressRoute
 
@@ -48,6 +49,9 @@ class Lane:
 
     #: how long an engine has to say hello on the lane once asked to connect (seconds)
     HELLO_S = 5.0
+    #: how long the engines have to answer the request to connect (seconds); the ones
+    #: that do not are served through the queue
+    JOIN_S = 30.0
 
     def __init__(self, client, ip: str, pipe_dir: str | None = None):
         import zmq
@@ -140,7 +144,15 @@ class Lane:
         joining = [self._uuid(e) for e in engine_ids]
         try:
             folder = route.pipes_for(joining)
-            queue_view(engine_ids).apply_sync(rt_lane.connect, self.url, route.join_url, folder)
+            engines.answered(
+                queue_view(engine_ids),
+                rt_lane.connect,
+                self.url,
+                route.join_url,
+                folder,
+                within=self.JOIN_S,
+                what="its request to join the lane",
+            )
         except Exception as exc:
             log.debug("engines %s could not join the lane: %s", engine_ids, exc)
             self.refused.update(engine_ids)

@@ -122,7 +122,13 @@ class Processes:
         from ..plan import rank_order
 
         # MPI rank, SLURM_PROCID or the place in --hosts, whichever engine registered first
-        probes = dict(zip(self.engine_ids, self.view(self.engine_ids).apply_sync(rt_host.probe)))
+        probes = engines.answered(
+            self.view(self.engine_ids),
+            rt_host.probe,
+            within=self.config.start_timeout_s,
+            what="which rank its launcher made it",
+        )
+        probes = dict(zip(self.engine_ids, probes))
         self.engine_ids = rank_order(probes)
         return [probes[e] for e in self.engine_ids]
 

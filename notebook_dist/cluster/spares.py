@@ -60,7 +60,12 @@ def start_engines(processes, k: int) -> list[Spare]:
     new = sorted(set(client.ids) - before)[:k]
     from ..runtime.heal import warm
 
-    pids = processes.view(new).apply_sync(warm)  # ready: torch and the rank's modules in
+    pids = engines.answered(  # ready: torch and the rank's modules in
+        processes.view(new),
+        warm,
+        within=processes.config.start_timeout_s,
+        what="a new spare's first call (its imports)",
+    )
     return [Spare(eid, *procs[pid]) for eid, pid in zip(new, pids)]
 
 
@@ -157,14 +162,15 @@ class SparePool:
 
     def close(self) -> None:
         """No more engines: wait for a refill under way (the cluster is stopping), as long
-        as an engine's start may take; one still starting then is ended with the cluster."""
+        as an engine's start may take, once; one still starting then is ended with the
+        cluster."""
         self.size = 0
         self._cancel_later()
-        wait_s = self.processes.config.start_timeout_s
+        deadline = time.monotonic() + self.processes.config.start_timeout_s
         if self._later is not None:
-            self._later.join(wait_s)  # (a fill it began, if any, is joined below)
-        if self._filling is not None:
-            self._filling.join(wait_s)
+            self._later.join(max(0.0, deadline - time.monotonic()))
+        if self._filling is not None:  # (a fill the later one began, too)
+            self._filling.join(max(0.0, deadline - time.monotonic()))
 
     def take(self, k: int) -> list[Spare]:
         """``k`` engines for ranks: from the pool first, the rest started now."""

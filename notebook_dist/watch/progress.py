@@ -105,17 +105,17 @@ class Progress:
 
     @staticmethod
     def _take_reply(v: RankView, reply) -> None:
+        if isinstance(reply, BaseException):  # not reached, or our rank side failed
+            v.status, v.result = "error", {"status": "error", "error": engine_error(reply)}
+            return
         try:
-            if isinstance(reply, BaseException):  # not reached, or our rank side failed
-                raise reply
             v.result = unpack(reply)
             v.status = "error" if v.result["status"] == "error" else "done"
             v.running_snap = v.snap
             # the rank's final record, even if it finished before its agent reported
             v.snap = dict(v.result.get("final") or {}, collective=None, received=time.time())
-        except Exception as exc:  # engine-level failure
-            v.status = "error"
-            v.result = {"status": "error", "error": engine_error(exc)}
+        except Exception as exc:  # a reply that cannot be read
+            v.status, v.result = "error", {"status": "error", "error": engine_error(exc)}
 
 
 #: no reply (yet) from a rank

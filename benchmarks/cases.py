@@ -95,23 +95,12 @@ def _torchrun(
     torchrun and its workers under Linux's SCHED_BATCH, as ``chrt -b 0 torchrun`` runs
     them (what notebook_dist's CPU ranks run under, ``DistConfig.rank_scheduling``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(HERE / "torchrun_job.py"), *args]
+    if batch:  # (set by the child before it becomes torchrun: no Python between fork and exec)
+        cmd = [sys.executable, "-c", _AS_BATCH, *cmd]
     t0 = time.perf_counter()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(HERE / "torchrun_job.py"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        preexec_fn=_batch if batch else None,
-    )
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     elapsed = time.perf_counter() - t0
     if out.returncode != 0:
         if retry:  # a rare Gloo abort in torchrun's own children on this 2-core machine
@@ -124,8 +113,11 @@ def _torchrun(
     return elapsed, out.stdout
 
 
-def _batch() -> None:
-    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+#: ``python -c``: this process under SCHED_BATCH, then the command after it in its place
+_AS_BATCH = (
+    "import os, sys; os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0)); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def startup(reps: int) -> dict:

@@ -164,7 +164,8 @@ class RankPipes:
     def close(self) -> None:
         for engine in list(self.to):
             self.drop(engine)
-        fds, self.fd = (self.fd, self.count_fd, self.bell), None
+        fds = (self.fd, self.count_fd, self.bell)
+        self.fd = self.count_fd = self.bell = None  # (a second close closes nothing)
         for fd in fds:
             if fd is not None:
                 os.close(fd)

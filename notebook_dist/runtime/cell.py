@@ -11,12 +11,19 @@ import ast
 import bdb
 import linecache
 import sys
+import time
 import traceback
 import types
 from typing import Any
 
 from ..values import describe_unpicklable, pack, through_file, unpack
+from . import recover, tracker
+from .agent import snapshot, sparse
+from .group import note_env_changes
+from .launch import check_children
 from .state import STATE, user_namespace
+from .streams import drain
+from .workspace import follow
 
 
 def _register_source(filename: str, source: str) -> None:
@@ -83,9 +90,6 @@ def run_cell(
     ``paths``: the notebook's folder and the import paths it added, followed here.
     ``post_mortem``: a rank that raises opens the debugger where it raised (``%pdb on``).
     """
-    from .recover import CollectiveReleased
-    from .workspace import follow
-
     follow(cwd, paths)
     _register_source(filename, source)
     prof = _begin(token, filename, profile, check_collectives)
@@ -100,7 +104,7 @@ def run_cell(
                     _execute(code, filename, first_line, want_value, result, prof, post_mortem)
                 end_cell(result["status"])
                 break
-            except CollectiveReleased as exc:
+            except recover.CollectiveReleased as exc:
                 # a release that landed after the user's code, before the cell ended: the
                 # cell's own outcome stands (the notebook rebuilds the group it released),
                 # unless it landed while that outcome was being written
@@ -113,21 +117,14 @@ def run_cell(
             # inside the except clause that records its error) ends the cell all the same: a
             # release asked for it, coming late, must never close the group rebuilt after it
             end_cell("error")
-    from .group import note_env_changes
-
     note_env_changes()
-    from .streams import drain
-
     drain()
     return _reply(result, gather, shm_dir, prof)
 
 
 def _begin(token: str, filename: str, profile: str | None, check: bool):
     """The rank's state for a new cell; its profiler, started, if it is profiled."""
-    import time
-
-    from .tracker import TRACKER
-
+    TRACKER = tracker.TRACKER
     prof = None
     if profile:
         from .profiler import CellProfile
@@ -165,8 +162,6 @@ def _execute(
         if last is not None:
             result["value"] = eval(compile(last, filename, "eval"), ns)
             result["has_value"] = True
-        from .launch import check_children
-
         check_children()  # never green when a process the cell started failed
     except SystemExit as exc:  # exit(), quit(), sys.exit(): the cell ends, the rank stays
         from .exits import report
@@ -176,9 +171,7 @@ def _execute(
         result["quit"] = True
     except BaseException as exc:  # KeyboardInterrupt included: the engine lives on
         _record_error(exc, filename, result)
-        from .recover import CollectiveReleased
-
-        if post_mortem and not isinstance(exc, (KeyboardInterrupt, CollectiveReleased)):
+        if post_mortem and not isinstance(exc, (KeyboardInterrupt, recover.CollectiveReleased)):
             from .debugger import post_mortem as debug_it
 
             try:
@@ -213,19 +206,15 @@ def end_cell(status: str) -> None:
     """The cell is over on this rank: under the lock a release takes, so a release either
     happened while the cell ran or sees it ended and does nothing; an exception a release
     had already scheduled for the main thread is cancelled."""
-    from .recover import _GROUP_LOCK, cancel_pending_release
-
-    with _GROUP_LOCK:
+    with recover._GROUP_LOCK:
         STATE.cell_state = "error" if status == "error" else "done"
-        cancel_pending_release()
+        recover.cancel_pending_release()
 
 
 def _reply(result: dict, gather: list[str], shm_dir: str | None, prof) -> list:
     """The packed result: counts, the profile, the final snapshot, the gathered variables;
     what cannot travel is said exactly."""
-    from .agent import snapshot, sparse
-    from .tracker import TRACKER
-
+    TRACKER = tracker.TRACKER
     ns = user_namespace()
     result["collectives"] = TRACKER.count
     result["group_broken"] = STATE.group_broken

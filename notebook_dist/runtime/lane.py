@@ -30,6 +30,9 @@ import sys
 import traceback
 from typing import Any
 
+from .pipes import reply_record
+from .streams import flush_written, written
+
 #: the first byte of a sealed frame on the express route: a request, its reply, a hello
 REQUEST, REPLY, HELLO = b"Q", b"R", b"H"
 #: a request on a rank's pipe whose reply counts down (``runtime/pipes.py``, COUNT)
@@ -261,8 +264,6 @@ def serve_piped(kernel, sock, reader, body) -> None:
     ident = kernel.ident.encode()
 
     def send(first: bytes, extra: list) -> None:
-        from .pipes import reply_record
-
         record = reply_record(ident, [REPLY + first, *extra])
         if record is None or not reader.reply(record):
             _by_socket(_seal(kernel.session), sock, first, extra)
@@ -281,8 +282,6 @@ def answer(kernel, body, send) -> None:
     main thread, its output parented on the request, the reply's first frame (its head and
     the value's frame) and its other frames given to ``send(first, extra)``; 'idle' only
     after output."""
-    from .streams import flush_written, written
-
     base = bytes(body[:32]).decode()
     try:
         sender, username, func, args = pickle.loads(body[32:])

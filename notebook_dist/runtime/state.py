@@ -104,17 +104,25 @@ def _default_device(local_rank: int) -> str:
     return "cpu"
 
 
+#: [the engine's shell], once there is one: a process has one shell for its life, and
+#: asking IPython for it costs more than the rest of the lookup (twice on every cell)
+_SHELL: list = []
+
+
 def user_namespace() -> dict:
     """The namespace cells run in: the engine shell's, or ``__main__``'s outside one."""
+    if _SHELL:
+        return _SHELL[0].user_ns
     try:
         # core only, no display code; not ``from IPython import``, whose module-level
-        # __getattr__ costs more than the lookup itself (twice on every cell)
+        # __getattr__ costs more than the lookup itself
         from IPython.core.getipython import get_ipython
 
         ip = get_ipython()
     except ImportError:
         ip = None
     if ip is not None:
+        _SHELL.append(ip)
         return ip.user_ns
     import __main__
 

@@ -243,14 +243,15 @@ def monarch(reps: int, calls: int = 200) -> dict:
     }
 
 
-def empty_cells(cluster, cells: int) -> tuple[list[float], list[float]]:
-    """``cells`` empty cells after 3 to warm up: each one's wall time and the kernel's CPU."""
+def empty_cells(cluster, cells: int, source: str = "pass") -> tuple[list[float], list[float]]:
+    """``cells`` empty cells (or cells of ``source``) after 3 to warm up: each one's wall
+    time and the kernel's CPU."""
     for _ in range(3):
-        cluster.run("pass").raise_for_errors()
+        cluster.run(source).raise_for_errors()
     wall, cpu = [], []
     for _ in range(cells):
         w0, c0 = time.perf_counter(), time.process_time()
-        cluster.run("pass").raise_for_errors()
+        cluster.run(source).raise_for_errors()
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
     return wall, cpu
@@ -390,6 +391,9 @@ def start_after_load_ext(n: int) -> float:
 
 #: how a cell reaches the ranks: (DistConfig.lane_pipes, DistConfig.relay_from)
 ROUTES = {"pipes": (True, None), "socket": (False, None), "relay": (False, 2)}
+#: how long the ranks wait in the cell that shows what waiting alone costs the kernel:
+#: about as long as an empty cell takes at 16 ranks on these 2 cores
+WAITING_S = 0.003
 
 
 def routes(reps: int, cells: int, n: int = 16) -> dict:
@@ -408,6 +412,13 @@ def routes(reps: int, cells: int, n: int = 16) -> dict:
         try:
             wall, cpu = empty_cells(c, cells)
             from_idle = cells_from_idle(c, max(10, cells // 4))
+            # the same reply, after a wait as long as 16 ranks' cell takes: the kernel's
+            # thread sleeps, and what it does next costs more than after a short wait
+            waiting = (
+                empty_cells(c, cells, f"__import__('time').sleep({WAITING_S})")[1]
+                if size == 2 and route == "pipes"
+                else []
+            )
             taken = c.processes.lane.route
             assert len(taken.via_relay) == (size if route == "relay" else 0)
             assert len(taken.pipes.to if taken.pipes else ()) == (size if pipes else 0)
@@ -420,6 +431,7 @@ def routes(reps: int, cells: int, n: int = 16) -> dict:
             "cell_cpu_s": statistics.median(cpu),
             "cell_cpu_mean_s": statistics.fmean(cpu),
             "idle_cell_cpu_s": statistics.median(from_idle),
+            **({"waiting_cell_cpu_s": statistics.median(waiting)} if waiting else {}),
         }
 
     kinds = {
@@ -431,6 +443,7 @@ def routes(reps: int, cells: int, n: int = 16) -> dict:
     }
     keys = ("cell_s", "cell_cpu_s", "cell_cpu_mean_s", "idle_cell_cpu_s")
     got: dict[str, dict[str, list[float]]] = {k: {key: [] for key in keys} for k in kinds}
+    got["2_pipes"]["waiting_cell_cpu_s"] = []
     order = list(kinds)
     for i in range(reps):
         for kind in order[i % len(order) :] + order[: i % len(order)]:
@@ -445,6 +458,9 @@ def routes(reps: int, cells: int, n: int = 16) -> dict:
         out[f"{key}_{n}_socket_vs_2_socket"] = ratio(got[f"{n}_socket"][key], got["2_socket"][key])
         out[f"{key}_{n}_pipes_vs_socket"] = ratio(got[f"{n}_pipes"][key], got[f"{n}_socket"][key])
         out[f"{key}_2_pipes_vs_socket"] = ratio(got["2_pipes"][key], got["2_socket"][key])
+    out[f"cell_cpu_s_{n}_pipes_vs_2_waiting"] = ratio(
+        got[f"{n}_pipes"]["cell_cpu_s"], got["2_pipes"]["waiting_cell_cpu_s"]
+    )
     return out
 
 

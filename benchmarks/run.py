@@ -107,6 +107,12 @@ TARGETS = [
         1.5,
     ),
     (
+        "routes: the same back to back, / 2 ranks whose cell waits 3 ms (as 16 ranks' takes)",
+        ("routes", "cell_cpu_s_16_pipes_vs_2_waiting", "pair_median"),
+        "<=",
+        1.5,
+    ),
+    (
         "routes: empty cell, wall, 16 ranks / 2, both by the ranks' pipes",
         ("routes", "cell_s_16_pipes_vs_2", "pair_median"),
         "<=",

@@ -19,7 +19,7 @@ from typing import Any
 from ..values import describe_unpicklable, pack, through_file, unpack
 from . import recover, tracker
 from .agent import snapshot, sparse
-from .group import note_env_changes
+from .group import note_env_changes, note_failure
 from .launch import check_children
 from .state import STATE, user_namespace
 from .streams import drain
@@ -34,8 +34,6 @@ def _register_source(filename: str, source: str) -> None:
 def format_exception(exc: BaseException, filename: str) -> str:
     """The traceback from the first frame in the cell down, as Python prints it, without
     the tool's own frames (the tracker's wrapper around a collective)."""
-    from .tracker import is_tool_frame
-
     te = traceback.TracebackException.from_exception(exc)
     frames = list(te.stack)
     for i, fs in enumerate(frames):
@@ -43,7 +41,7 @@ def format_exception(exc: BaseException, filename: str) -> str:
             frames = frames[i:]
             break
     te.stack = traceback.StackSummary.from_list(
-        [fs for fs in frames if not is_tool_frame(fs.filename)]
+        [fs for fs in frames if not tracker.is_tool_frame(fs.filename)]
     )
     return "".join(te.format())
 
@@ -184,14 +182,11 @@ def _execute(
 
 
 def _record_error(exc: BaseException, filename: str, result: dict) -> None:
-    from .group import note_failure
-    from .tracker import TRACKER
-
     STATE.last_error = (exc, exc.__traceback__)
     STATE.extras["post_mortem"] = (exc.__traceback__, filename)  # for %debug, later
     result["status"] = "error"
     result["error"] = _error(exc, filename)
-    failed = TRACKER.last
+    failed = tracker.TRACKER.last
     in_collective = failed is not None and bool(failed.get("failed"))
     if in_collective:
         seq = f" #{failed['seq']}" if "seq" in failed else ""

@@ -547,3 +547,31 @@ def test_a_replys_final_snapshot_leaves_out_only_its_empty_entries():
     # the empty ones go; each is read with .get(...) or its empty value in the notebook
     assert not {"metrics", "stack", "asking"} & set(kept)
     assert set(snap) - set(kept) <= OFTEN_EMPTY
+
+
+MARK = "def mark(path):\n    import notebook_dist as nd\n    with open(path, 'a') as f:\n        f.write(str(nd.rank))\n"
+
+
+def test_a_request_given_up_on_never_runs_on_a_rank_still_busy(live, tmp_path):
+    """A wait with a bound (the start's probes, the lane's join, the clocks' reading:
+    ``engines.answered``; ``apply(timeout=...)``) gives up on a rank busy with an earlier
+    request and says which; its request is then dropped from the rank's queue, not run
+    there seconds later, after the notebook moved on."""
+    from notebook_dist.cluster import engines
+    from notebook_dist.errors import ClusterError
+
+    made: dict = {"__name__": "__main__"}  # (pickled by value: the ranks cannot import tests)
+    exec(MARK, made)
+    marks = tmp_path / "marks"
+    p = live.processes
+    busy = p.rank_view([1]).apply_async(time.sleep, 6)  # rank 1's engine, busy for 6 s
+    silent = p.engine_ids[1]
+    with pytest.raises(ClusterError, match=r"did not answer the mark within 1\.5 s") as info:
+        engines.answered(p.rank_view([0, 1]), made["mark"], str(marks), within=1.5, what="the mark")
+    assert str(silent) in str(info.value).split(" did not")[0], str(info.value)
+    with pytest.raises(ClusterError, match="could not run mark on the ranks"):
+        live.apply(made["mark"], str(marks), timeout=1.5)
+    assert not busy.ready(), "rank 1 was not busy for the whole test: it proves nothing"
+    busy.get(timeout=60)
+    assert p.rank_view([1]).apply_async(int).get(timeout=60) == [0]  # (its queue is through)
+    assert "1" not in marks.read_text(), "rank 1 ran a request given up on"

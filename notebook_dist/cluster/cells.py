@@ -257,10 +257,9 @@ def apply(
     try:
         results = ar.get(timeout=timeout)
     except Exception as exc:
-        if not ar.ready():  # (it timed out) where a rank is still busy, it never starts: it
-            with contextlib.suppress(Exception):  # would run long after it was given up
-                ids = [cluster.processes.engine_ids[r] for r in selected]
-                cluster.processes.client.abort(ar.msg_ids, targets=ids, block=False)
+        if not ar.ready():  # (it timed out) where a rank is still busy, it never starts
+            ids = [cluster.processes.engine_ids[r] for r in selected]
+            engines.abort_unstarted(cluster.processes.client, ar, ids)
         raise ClusterError(
             f"could not run {getattr(func, '__name__', func)} on the ranks: {remote_message(exc)}"
         ) from None

@@ -70,19 +70,35 @@ def answered(view, func, *args, within: float, what: str) -> list:
     """``func(*args)`` on each engine of ``view``, its answers in the view's order, waited
     for at most ``within`` seconds: engines that have not answered by then are named in a
     :class:`~notebook_dist.errors.ClusterError` saying ``what`` they were asked, so no
-    wait of the kernel's on an engine lasts for ever (Ctrl-C ends it sooner)."""
+    wait of the kernel's on an engine lasts for ever (Ctrl-C ends it sooner). An engine
+    still busy with something else then never runs the request (:func:`abort_unstarted`)."""
     ar = view.apply_async(func, *args)
     try:
         return ar.get(timeout=within)
     except TimeoutError:
         from ..errors import ClusterError
 
-        silent = [e for e, f in zip(view.targets, ar._children) if not f.done()]
+        targets = view.targets
+        targets = [targets] if isinstance(targets, int) else list(targets)
+        silent = abort_unstarted(view.client, ar, targets)
         raise ClusterError(
             f"engine{'s' if len(silent) != 1 else ''} {', '.join(map(str, silent))} did not "
             f"answer {what} within {within:g} s; a rank that is busy or stuck can be "
             "stopped with %dist_shutdown"
         ) from None
+
+
+def abort_unstarted(client, ar, targets: list[int]) -> list[int]:
+    """The engines among ``targets`` (``ar``'s, one request each, in order) whose request
+    in ``ar`` is still outstanding, told to drop it: one not yet started never runs, so an
+    engine busy with something else does not run, long after the notebook gave up on it,
+    what it was asked (one already running carries on). Returns those engines."""
+    outstanding = client.outstanding
+    late = [(e, m) for e, m in zip(targets, ar.msg_ids) if m in outstanding]
+    if late:
+        with contextlib.suppress(Exception):  # (the controller gone: nothing runs anyway)
+            client.abort([m for _, m in late], targets=[e for e, _ in late], block=False)
+    return [e for e, _ in late]
 
 
 def by_ssh(el) -> bool:

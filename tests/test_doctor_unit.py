@@ -917,6 +917,38 @@ def test_the_first_break_is_kept_with_the_record_of_its_collective(group_state):
     assert later["kind"] == "timeout" and later["record"] is first
 
 
+def test_a_ddp_modules_rebuild_lends_its_new_group_as_the_default_to_its_own_thread():
+    """A DDP module's reducer is made anew on its new group by DDP's own unpickling
+    (``runtime.group._rebuild_reducer``), which takes torch's default group: for that time
+    DDP sees the new group as the default in the rebuilding thread only. A thread of the
+    user's that makes a DDP module meanwhile gets the real default, and after it every
+    thread does."""
+    import threading
+    from types import SimpleNamespace
+
+    from notebook_dist.runtime.group import _rebuild_reducer
+
+    ddp = SimpleNamespace(_get_default_group=lambda: "default")  # (DDP's module, its one use)
+    seen = {}
+
+    class Module:
+        process_group = "old"
+
+        def __getstate__(self):
+            return {}
+
+        def __setstate__(self, state):
+            seen["here"] = ddp._get_default_group()
+            other = threading.Thread(target=lambda: seen.update(other=ddp._get_default_group()))
+            other.start()
+            other.join()
+
+    module = Module()
+    _rebuild_reducer(ddp, module, "new")
+    assert seen == {"here": "new", "other": "default"}
+    assert module.process_group == "new" and ddp._get_default_group() == "default"
+
+
 def tracked_all_reduce(monkeypatch, error: BaseException):
     """The tracker's wrapper around an all_reduce that raises ``error``, on a fresh tracker."""
     import torch  # noqa: F401  (the tracker reads tensors through sys.modules)

@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import traceback
 import types
 from collections.abc import Callable
@@ -202,11 +203,13 @@ def rebind_ddp(pairs: list[tuple[Any, Any]], modules: list) -> int:
 
 def _rebuild_reducer(ddp, module, new) -> None:
     """``module``'s reducer made anew on the group ``new``, by DDP's own unpickling, which
-    takes the default group: for the time of it, torch's default group (as DDP's module
-    sees it) is ``new``."""
+    takes the default group: for the time of it, torch's default group as DDP's module
+    sees it is ``new`` for this thread, and the real one for any other (a thread of the
+    user's that makes a DDP module meanwhile gets the default group, not ``new``)."""
     module.process_group = new
     default = ddp._get_default_group
-    ddp._get_default_group = lambda: new
+    here = threading.get_ident()
+    ddp._get_default_group = lambda: new if threading.get_ident() == here else default()
     try:
         module.__setstate__(module.__getstate__())
     finally:

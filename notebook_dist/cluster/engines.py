@@ -81,6 +81,8 @@ def answered(view, func, *args, within: float, what: str) -> list:
         targets = view.targets
         targets = [targets] if isinstance(targets, int) else list(targets)
         silent = abort_unstarted(view.client, ar, targets)
+        if not silent:  # (the last answer came as the wait ended)
+            return ar.get(timeout=within)
         raise ClusterError(
             f"engine{'s' if len(silent) != 1 else ''} {', '.join(map(str, silent))} did not "
             f"answer {what} within {within:g} s; a rank that is busy or stuck can be "

@@ -349,3 +349,99 @@ def test_a_ranks_stream_settles_once_what_its_thread_read_is_written(tmp_path):
     assert said["all"] == "raw \ufffd line\ncaf\u00e9\nend \ufffd"
     # what the thread read also went, as bytes, to the process's own stdout (its log)
     assert "raw \ufffd line\ncaf\u00e9\nend \ufffd" in done.stdout
+
+
+STREAM_WRITES = r"""
+import json, os, statistics, sys, threading, time
+import zmq
+from ipykernel.iostream import IOPubThread, OutStream
+from jupyter_client.session import Session
+from notebook_dist.runtime.outstream import RankOutStream
+
+pub = IOPubThread(zmq.Context.instance().socket(zmq.PUB))
+pub.start()
+said = {}
+
+
+def buffers(stream):
+    return sorted((sorted(dict(k).items()), b.getvalue()) for k, b in stream._buffers.items())
+
+
+def writes(stream):
+    # two requests' parents in turn (a cell, then the next), and a thread with its own
+    stream.flush_interval = 1e6  # (nothing sent meanwhile: the buffers are compared)
+    for cell in ("a", "b", "a"):
+        stream.parent_header = {"msg_id": cell, "msg_type": "execute_request"}
+        print("in", cell, file=stream)
+        stream.parent_header = dict(stream.parent_header)  # equal, not the same dict
+        stream.write(cell + "!")
+
+    def thread():
+        stream.set_thread_parent({"header": {"msg_id": "t", "msg_type": "execute_request"}})
+        for i in range(3):
+            stream.write(f"t{i} ")
+
+    t = threading.Thread(target=thread)
+    t.start()
+    stream.write("main ")
+    t.join()
+    return buffers(stream)
+
+
+ours = RankOutStream(Session(), pub, "stdout", watchfd=False)
+theirs = OutStream(Session(), pub, "stdout", watchfd=False)
+said["ours"], said["theirs"] = writes(ours), writes(theirs)
+
+# a forked child of the rank writes through ipykernel's own path (its child's handling)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    took = []
+    OutStream.write = lambda stream, text, own=OutStream.write: took.append(text) or own(stream, text)
+    ours.write("from the child")
+    os.write(w, b"1" if took == ["from the child"] else b"0")
+    os._exit(0)
+os.waitpid(pid, 0)
+said["child_took_ipykernels_path"] = os.read(r, 1) == b"1"
+
+# the CPU of a write, ours against ipykernel's, alternated in this process
+ratios = []
+for _ in range(7):
+    spent = []
+    for stream in (ours, theirs):
+        stream.parent_header = {"msg_id": "x"}
+        start = time.thread_time()
+        for _ in range(20000):
+            stream.write("a line of output\n")
+        spent.append(time.thread_time() - start)
+        stream._rotate_buffers()
+    ratios.append(spent[0] / spent[1])
+said["cpu_ratio"] = statistics.median(ratios)
+pub.stop()
+print("\n" + json.dumps(said))
+"""
+
+
+def test_a_ranks_write_fills_the_buffers_ipykernels_own_would_at_less_cost(tmp_path):
+    """RankOutStream.write keeps each parent header's buffer key while the parent stays the
+    same dict, where ipykernel makes a frozenset of it on every write: the same text lands
+    in the same parents' buffers as ipykernel's own write puts it (cells in turn, an equal
+    parent that is another dict, a thread with a parent of its own), a forked child of
+    the rank still writes through ipykernel's path, and a write costs less CPU (a ratio
+    measured in one process: 0.6x on our machines)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "stream_writes.py"
+    script.write_text(STREAM_WRITES)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["ours"] == said["theirs"]
+    texts = {dict(parent).get("msg_id"): text for parent, text in said["ours"]}
+    assert texts == {"a": "in a\na!in a\na!main ", "b": "in b\nb!", "t": "t0 t1 t2 "}, texts
+    assert said["child_took_ipykernels_path"]
+    assert said["cpu_ratio"] < 0.85, said["cpu_ratio"]

@@ -57,11 +57,13 @@ def keep_in_order() -> None:
         write = stream.write
 
         def ordered_write(string):
-            with lock:
-                switched, last[0] = last[0] is not stream, stream
-                _WRITES[0] += 1
-            if switched:
-                other.flush()  # what the other stream holds goes first
+            # (a count that loses a step to another thread still moves: what it is for)
+            _WRITES[0] += 1
+            if last[0] is not stream:  # the lock only when the writes switch streams
+                with lock:
+                    switched, last[0] = last[0] is not stream, stream
+                if switched:
+                    other.flush()  # what the other stream holds goes first
             return write(string)
 
         ordered_write._notebook_dist_ordered = True

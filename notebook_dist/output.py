@@ -20,6 +20,8 @@ the order they land in. Three things make many ranks' output read as one program
 
 from __future__ import annotations
 
+import functools
+import heapq
 import itertools
 import os
 import re
@@ -59,8 +61,8 @@ class OutputStreamer:
         self.max_lines = max_lines  # per rank and stream; the rest goes to a log file
         self.max_bytes = max_bytes
         self.log_name = log_name
-        self.fold = fold_from > 0 and len(sources) >= fold_from
-        self.fold_window_s = fold_window_s
+        fold = fold_from > 0 and len(sources) >= fold_from
+        self.folding = Folding(len(sources), fold_window_s) if fold else None
         self.live = live  # a notebook front end: progress lines shown live in a display
         self._bytes: dict[tuple[int, str], int] = {}
         self._shown: dict[tuple[int, str], int] = {}
@@ -68,13 +70,11 @@ class OutputStreamer:
         self.dropped: dict[tuple[int, str], int] = {}
         self._offsets: dict[tuple[int, str], int] = {}
         self._partial: dict[tuple[int, str], str] = {}
-        #: each rank's lines waiting to be folded: (stream, line, since when, turn in line)
-        self._pending: dict[int, deque] = {}
         self._order_seen: dict[int, int] = {}
-        self._turns = itertools.count()
         self._displays: dict[tuple[int, str], Any] = {}  # live progress lines
         self.displays = DisplayRelay()
         self.lines_written = 0
+        self._held: TextIO | None = None  # the stream written to and not yet flushed
         self.last_line: dict[int, str] = {}  # per rank, for the dashboard
         for _, md in sources:
             in_order(md)  # from now on, the order the two streams grow in is noted
@@ -98,8 +98,11 @@ class OutputStreamer:
                 self._read_lines(rank, name, md.get(name) or "", end)
             for name in STREAMS:
                 self._read_partial(rank, name, md.get(name) or "")
-            self.displays.relay(rank, md, self._put_display)
+            if md.get("outputs"):
+                self._flush()  # (a display comes after the lines written before it)
+                self.displays.relay(rank, md, self._put_display)
         self._release(time.monotonic())
+        self._flush()
 
     def _grown(self, rank: int, md: dict) -> list[tuple[str, int]]:
         """Which stream grew, in the order the rank's messages came, each with where its
@@ -163,10 +166,8 @@ class OutputStreamer:
         for line in keep:
             if line.strip() and not line.startswith(NOTE):
                 self.last_line[rank] = line  # the user's line, not the tool's note
-        if keep and self.fold:
-            now = time.monotonic()
-            queue = self._pending.setdefault(rank, deque())
-            queue.extend((name, line, now, next(self._turns)) for line in keep)
+        if keep and self.folding is not None:
+            self.folding.add(rank, name, keep, time.monotonic())
         elif keep:
             self._write([rank], name, keep)
 
@@ -196,39 +197,50 @@ class OutputStreamer:
         self._put([rank], "stdout", lines)
 
     def _put(self, ranks: list[int], name: str, lines: list[str]) -> None:
-        prefix = f"[{rank_list(ranks)}] "
-        stream = self._stream(name)
-        stream.write("".join(f"{prefix}{line}\n" for line in lines))
-        stream.flush()
-        self.lines_written += len(lines)
+        prefix = _prefix(tuple(ranks))
+        self._put_text(name, "".join(f"{prefix}{line}\n" for line in lines), len(lines))
+
+    def _put_text(self, name: str, text: str, lines: int) -> None:
+        stream, held = self._stream(name), self._held
+        if held is not None and held is not stream:
+            held.flush()  # what the other stream holds goes first
+        stream.write(text)
+        self._held = stream
+        self.lines_written += lines
+
+    def _flush(self) -> None:
+        """What was written, sent: at the end of each look, before a display, and when the
+        writes switch streams, not after each line (a kernel's stream flushes by a round
+        trip to its IO thread: a cell of 4 ranks printing 1000 lines each took 2 s so)."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.flush()
 
     def _release(self, now: float, final: bool = False) -> None:
-        """Folding: the oldest waiting line goes out once every rank has printed it (one
-        line, their ranks), or when it has waited ``fold_window_s`` (with the ranks that
-        have printed it by then), or at the cell's end. A rank's lines, on either stream,
-        wait in one queue: they go out in the order the rank wrote them."""
-        while True:
-            heads = {r: q[0] for r, q in self._pending.items() if q}
-            if not heads:
-                break
-            oldest = min(heads, key=lambda r: heads[r][2:])
-            name, text, arrived, _ = heads[oldest]
-            alike = sorted(r for r, head in heads.items() if head[:2] == (name, text))
-            every = len(alike) == len(self.ranks)
-            if not (every or final or now - arrived >= self.fold_window_s):
-                break
-            for r in alike:
-                q = self._pending[r]
-                q.popleft()
-                if q:  # the next line waits its own moment, from now, for its copies
-                    q[0] = (*q[0][:2], max(q[0][2], now), next(self._turns))
-            self._write(alike, name, [text])
+        """The folded lines due (:meth:`Folding.due`), written: those due one after another
+        on one stream in one write (each in its own while a progress line shown live is
+        to end)."""
+        if self.folding is None:
+            return
+        due = self.folding.due(now, final)
+        if self._displays:
+            for ranks, name, lines in due:
+                self._write(ranks, name, lines)
+            return
+        for name, runs in itertools.groupby(due, key=lambda run: run[1]):
+            parts: list[str] = []
+            for ranks, _, lines in runs:
+                prefix = _prefix(tuple(ranks))
+                parts.extend(f"{prefix}{line}\n" for line in lines)
+            self._put_text(name, "".join(parts), len(parts))
 
     def _show_live(self, key: tuple[int, str], state: str) -> None:
         """A rewritten line's current state, in a display of its own (notebooks only)."""
         if not self.live:
             return
         from IPython.display import display
+
+        self._flush()
 
         text = {"text/plain": f"[rank {key[0]}] {state}"}
         handle = self._displays.get(key)
@@ -259,6 +271,7 @@ class OutputStreamer:
             elif rest:
                 self._write([rank], name, [last_state(rest)])
         self._partial.clear()
+        self._flush()
         for key, f in sorted(self._logs.items()):
             rank, name = key
             f.flush()
@@ -272,6 +285,70 @@ class OutputStreamer:
                 f"(cap: {self.max_lines:,} lines or {self.max_bytes // 1024:,} KiB per rank); "
                 f"all {size / 2**20:.1f} MiB are in {f.name}\n"
             )
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefix(ranks: tuple[int, ...]) -> str:
+    """``[rank 3] ``, ``[ranks 0-7] ``: made once for each set of ranks."""
+    return f"[{rank_list(list(ranks))}] "
+
+
+class Folding:
+    """The lines of ``n`` ranks waiting to be folded. The oldest waiting line is due once
+    every rank has printed it (one line, their ranks), or when it has waited ``window_s``
+    (with the ranks that have printed it by then), or at the cell's end. A rank's lines,
+    on either stream, wait in one queue: they go out in the order the rank wrote them.
+    The oldest is found in a heap and its copies by their text, not by a look at every
+    rank for each line."""
+
+    def __init__(self, n: int, window_s: float):
+        self.n, self.window_s = n, window_s
+        #: each rank's lines waiting: (stream, line, since when, turn in line)
+        self.pending: dict[int, deque] = {}
+        self._turns = itertools.count()
+
+    def add(self, rank: int, name: str, lines: list[str], now: float) -> None:
+        queue = self.pending.setdefault(rank, deque())
+        queue.extend((name, line, now, next(self._turns)) for line in lines)
+
+    def due(self, now: float, final: bool = False) -> list[tuple[list[int], str, list[str]]]:
+        """The lines that go out now, taken, as (ranks, stream, lines): lines that go out
+        one after another alike come as one."""
+        pending = self.pending
+        heads = {r: q[0] for r, q in pending.items() if q}
+        order = [(head[2], head[3], r) for r, head in heads.items()]  # (since when, turn)
+        heapq.heapify(order)
+        alike_at: dict[tuple[str, str], set[int]] = {}  # (stream, line) -> ranks it heads
+        for r, head in heads.items():
+            alike_at.setdefault(head[:2], set()).add(r)
+        out: list[tuple[list[int], str, list[str]]] = []
+        while order:
+            arrived, turn, oldest = order[0]
+            head = heads.get(oldest)
+            if head is None or head[3] != turn:  # a rank's head since moved on
+                heapq.heappop(order)
+                continue
+            name, text = head[:2]
+            members = alike_at[(name, text)]
+            alike = sorted(members) if len(members) > 1 else [oldest]
+            if not (len(alike) == self.n or final or now - arrived >= self.window_s):
+                break
+            del alike_at[(name, text)]
+            for r in alike:
+                q = pending[r]
+                q.popleft()
+                if not q:
+                    del heads[r]
+                    continue
+                # the next line waits its own moment, from now, for its copies
+                head = heads[r] = q[0] = (*q[0][:2], max(q[0][2], now), next(self._turns))
+                alike_at.setdefault(head[:2], set()).add(r)
+                heapq.heappush(order, (head[2], head[3], r))
+            if out and out[-1][0] == alike and out[-1][1] == name:
+                out[-1][2].append(text)
+            else:
+                out.append((alike, name, [text]))
+        return out
 
 
 #: where a terminal line is rewritten: a carriage return, or "erase the line" (Rich)

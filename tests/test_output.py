@@ -142,6 +142,66 @@ def test_folding_waits_a_bounded_moment_and_never_reorders_a_ranks_lines():
     assert out.getvalue().splitlines()[-1] == "[ranks 2, 3] b"
 
 
+class HeldStream:
+    """A kernel's stream as the notebook's streamer sees it: what is written reaches the
+    front end only when flushed (ipykernel's OutStream, whose flush is a round trip to
+    its IO thread); ``front`` gets (stream, line) in the order they reach it."""
+
+    def __init__(self, name: str, front: list, flushes: list):
+        self.name, self.front, self.flushes, self.held = name, front, flushes, []
+
+    def write(self, text: str) -> int:
+        self.held.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.flushes[0] += 1
+        self.front.extend((self.name, ln) for ln in "".join(self.held).splitlines())
+        self.held.clear()
+
+
+def test_folded_lines_reach_a_kernels_streams_in_few_flushes_and_in_each_ranks_order():
+    """4 ranks (folding on) print 1000 lines each, a warning on stderr every 100 and a line
+    all print alike every 250, in messages of 50 lines: every line reaches the front end,
+    each rank's in the order it wrote them across both streams, the common lines folded
+    once each; and the streams are flushed when the writes switch streams and once a look,
+    not after each line (4000 flushes before, and a cell printing so took 2 s in a kernel
+    where it took 0.04 s unfolded)."""
+    from ipyparallel.client.client import Metadata
+
+    front, flushes = [], [0]
+    mds = [Metadata() for _ in range(4)]
+    s = OutputStreamer(
+        list(zip(range(4), mds)),
+        HeldStream("stdout", front, flushes),
+        HeldStream("stderr", front, flushes),
+        fold_from=4,
+    )
+    wrote = {r: [] for r in range(4)}
+    for chunk in range(20):
+        for r in range(4):
+            for i in range(chunk * 50, chunk * 50 + 50):
+                name, line = (
+                    ("stderr", f"r{r} warn {i}") if i % 100 == 99 else ("stdout", f"r{r} line {i}")
+                )
+                if i % 250 == 249:
+                    name, line = "stdout", f"epoch {i // 250} done"
+                land(mds[r], name, line + "\n")
+                wrote[r].append((name, line))
+        s.poll()
+        polls = chunk + 1
+    s.finish()
+    for r in range(4):
+        mine = [(name, ln.split("] ", 1)[1]) for name, ln in front if ln.startswith(f"[rank {r}] ")]
+        assert mine == [(n, ln) for n, ln in wrote[r] if not ln.startswith("epoch")]
+    assert [ln for _, ln in front if ln.startswith("[ranks 0-3]")] == [
+        f"[ranks 0-3] epoch {e} done" for e in range(4)
+    ]
+    assert len(front) == 4 * (1000 - 4) + 4
+    switches = sum(1 for a, b in zip(front, front[1:]) if a[0] != b[0])
+    assert flushes[0] <= switches + polls + 2, (flushes[0], switches, polls)
+
+
 def test_rank_lists_read_as_ranges():
     assert rank_list([3]) == "rank 3"
     assert rank_list(range(8)) == "ranks 0-7"
@@ -207,6 +267,41 @@ def test_prints_warnings_and_logging_come_in_the_order_the_rank_wrote_them(kerne
         assert said[:9] == want, lines
         assert "a warning" in said[9] and said[-1] == "the end", lines
         assert [name for name, _ in lines[:3]] == ["stdout", "stderr", "stderr"], lines
+
+
+@pytest.mark.slow
+def test_folded_output_reaches_the_front_end_in_a_few_messages_whole_and_in_order(kernel):
+    """Folding on (from 2 ranks here), each rank prints 1000 lines, one in 100 on stderr:
+    the front end gets every line, each rank's in the order it wrote them, in a few
+    stream messages; before, the notebook flushed its stream after each line, so the front
+    end got a message a line (2000 here), and at 8 ranks such a cell took 3.5 s in a kernel
+    against 0.08 s unfolded."""
+    setting = "from notebook_dist.session import SESSION\nSESSION.current().config.fold_from_ranks"
+    out, _, error = kernel(f"{setting} = 2")
+    assert error is None, out
+    try:
+        messages: list = []
+        out, _, error = kernel(
+            "%%distributed --no-dashboard\nimport sys\nfor i in range(1000):\n"
+            "    print(f'rank {nd.rank} line {i}', file=sys.stderr if i % 100 == 99 else sys.stdout)",
+            messages=messages,
+        )
+    finally:
+        kernel(f"{setting} = 4")
+    assert error is None, out
+    streams = [(name, text) for kind, name, text, _ in messages if kind == "stream"]
+    for r in range(2):
+        mine = [
+            (name, line.split("] ", 1)[1])
+            for name, text in streams
+            for line in text.splitlines()
+            if line.startswith(f"[rank {r}] ")
+        ]
+        want = [
+            ("stderr" if i % 100 == 99 else "stdout", f"rank {r} line {i}") for i in range(1000)
+        ]
+        assert mine == want
+    assert len(streams) <= 60, len(streams)
 
 
 @pytest.mark.slow

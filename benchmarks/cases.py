@@ -859,6 +859,63 @@ def training(cluster, steps: int, reps: int) -> dict:
     }
 
 
+def folded_output(reps: int, n: int = 8) -> dict:
+    """A cell in which each of ``n`` ranks prints 1000 lines, in a real kernel (its
+    streams flush by a round trip to their IO thread, and what reaches the front end is
+    messages), folded (the default from 4 ranks) against the same cell with
+    ``--raw-output``, alternated: seconds from the request to the kernel's idle, and the
+    stream messages the front end got. Every line is checked to have come."""
+    import tempfile
+
+    from jupyter_client.manager import start_new_kernel
+
+    folder = tempfile.mkdtemp(prefix="nd-bench-kernel-")
+    env = dict(os.environ, IPYTHONDIR=os.path.join(folder, "ipython"))
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=folder)
+
+    def run(code: str) -> tuple[float, int, int]:
+        t0 = time.perf_counter()
+        msg_id = kc.execute(code)
+        messages = lines = 0
+        while True:
+            msg = kc.get_iopub_msg(timeout=300)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "error":
+                raise RuntimeError(content["evalue"])
+            if kind == "stream":
+                messages += 1
+                lines += content["text"].count("\n")
+            if kind == "status" and content["execution_state"] == "idle":
+                return time.perf_counter() - t0, messages, lines
+
+    cell = "for i in range(1000):\n    print(f'rank {nd.rank} line {i}')"
+    got: dict[str, list] = {"folded": [], "raw": []}
+    try:
+        run(f"%load_ext notebook_dist\n%dist_init -n {n}")
+        run(f"%%distributed --no-dashboard\n{cell}")  # (warm)
+        for i in range(reps):
+            for how in ("folded", "raw") if i % 2 == 0 else ("raw", "folded"):
+                opt = " --raw-output" if how == "raw" else ""
+                wall, messages, lines = run(f"%%distributed --no-dashboard{opt}\n{cell}")
+                assert lines == n * 1000, (how, lines)
+                got[how].append((wall, messages))
+        run("%dist_shutdown")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    walls = {how: [w for w, _ in got[how]] for how in got}
+    return {
+        "ranks": n,
+        "folded_s": summarize(walls["folded"]),
+        "raw_s": summarize(walls["raw"]),
+        "folded_vs_raw": ratio(walls["folded"], walls["raw"]),
+        "folded_messages": statistics.median(m for _, m in got["folded"]),
+        "raw_messages": statistics.median(m for _, m in got["raw"]),
+    }
+
+
 def scheduling(steps: int, reps: int) -> dict:
     """DDP steps/s of 2 CPU ranks under SCHED_BATCH (the default on CPU,
     ``DistConfig.rank_scheduling``) and under the normal policy: two clusters, their cells

@@ -254,6 +254,7 @@ CASE_NAMES = (
     "scale",
     "routes",
     "monarch",
+    "output",
 )
 
 
@@ -341,6 +342,9 @@ def main(argv=None) -> int:
     if "monarch" in only:
         print("monarch ...", flush=True)
         results["monarch"] = cases.monarch(3 if quick else 9)
+    if "output" in only:
+        print("output ...", flush=True)
+        results["output"] = cases.folded_output(3 if quick else 9)
     if "growth" in only:
         print("growth ...", flush=True)
         results["growth"] = cases.growth(20 if quick else 50)
@@ -431,6 +435,14 @@ def main(argv=None) -> int:
     for n, g in results.get("growth", {}).items():
         print(
             f"growth {n}: dispatch {g['dispatch_ms']:.1f} ms, gather 16 MB per rank {g['gather_16MB_each_ms']:.0f} ms"
+        )
+    o = results.get("output")
+    if o:
+        print(
+            f"output: {o['ranks']} ranks print 1000 lines each in a kernel, folded "
+            f"{o['folded_s']['median']:.2f} s / --raw-output {o['raw_s']['median']:.2f} s: "
+            f"{_with_ci(o['folded_vs_raw'], 'pair_median')}; stream messages {o['folded_messages']:.0f} "
+            f"and {o['raw_messages']:.0f}"
         )
     print(f"\nwritten to {args.out} ({results['total_s']:.0f} s)")
     return 0

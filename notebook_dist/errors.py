@@ -6,6 +6,8 @@ what happened on the ranks instead of a traceback through notebook_dist itself.
 
 from __future__ import annotations
 
+from .phrases import rank_list
+
 
 class NotebookDistError(Exception):
     """Base class: a problem the user can act on, shown without internal frames."""
@@ -84,10 +86,8 @@ class RankError(NotebookDistError, RuntimeError):
 
     def __init__(self, errors: dict[int, RemoteTraceback]):
         self.errors = dict(sorted(errors.items()))
-        ranks = ", ".join(str(r) for r in self.errors)
         first = next(iter(self.errors.values()))
-        noun = "rank" if len(self.errors) == 1 else "ranks"
-        super().__init__(f"{noun} {ranks} raised {first.ename}: {first.evalue}")
+        super().__init__(f"{rank_list(self.errors)} raised {first.ename}: {first.evalue}")
 
     def _render_traceback_(self) -> list[str]:
         lines: list[str] = []

@@ -6,6 +6,7 @@ Parsed by hand, never ``eval``-ed.
 from __future__ import annotations
 
 from .errors import RankSpecError
+from .phrases import rank_list
 
 _FORMS = "use 'all', a rank like '0', a list like '0,2' or a range like '1-3'"
 
@@ -50,10 +51,8 @@ def parse_ranks(spec: str | int | list[int] | tuple[int, ...] | None, world_size
     bad = sorted(r for r in ranks if r < 0 or r >= world_size)
     if bad:
         have = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
-        which = ", ".join(map(str, bad))
-        noun = "rank" if len(bad) == 1 else "ranks"
         raise RankSpecError(
-            f"{noun} {which} not in this cluster: it has {world_size} "
+            f"{rank_list(bad)} not in this cluster: it has {world_size} "
             f"{'rank' if world_size == 1 else 'ranks'} ({have})"
         )
     return sorted(ranks)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from .displays import DisplayRelay
-from .phrases import rank_list
+from .phrases import rank_list, size_text
 
 STREAMS = ("stdout", "stderr")
 NOTE = "notebook_dist:"  # how the tool's own notes on a rank begin
@@ -283,7 +283,7 @@ class OutputStreamer:
             self._stream(name).write(
                 f"[rank {rank}] ... output capped: {dropped:,} more lines of {name} not shown "
                 f"(cap: {self.max_lines:,} lines or {self.max_bytes // 1024:,} KiB per rank); "
-                f"all {size / 2**20:.1f} MiB are in {f.name}\n"
+                f"all {size_text(size)} are in {f.name}\n"
             )
 
 

@@ -197,8 +197,7 @@ class OutputStreamer:
         self._put([rank], "stdout", lines)
 
     def _put(self, ranks: list[int], name: str, lines: list[str]) -> None:
-        prefix = _prefix(tuple(ranks))
-        self._put_text(name, "".join(f"{prefix}{line}\n" for line in lines), len(lines))
+        self._put_text(name, _prefixed(ranks, lines), len(lines))
 
     def _put_text(self, name: str, text: str, lines: int) -> None:
         stream, held = self._stream(name), self._held
@@ -228,11 +227,9 @@ class OutputStreamer:
                 self._write(ranks, name, lines)
             return
         for name, runs in itertools.groupby(due, key=lambda run: run[1]):
-            parts: list[str] = []
-            for ranks, _, lines in runs:
-                prefix = _prefix(tuple(ranks))
-                parts.extend(f"{prefix}{line}\n" for line in lines)
-            self._put_text(name, "".join(parts), len(parts))
+            runs = list(runs)
+            text = "".join(_prefixed(ranks, lines) for ranks, _, lines in runs)
+            self._put_text(name, text, sum(len(lines) for _, _, lines in runs))
 
     def _show_live(self, key: tuple[int, str], state: str) -> None:
         """A rewritten line's current state, in a display of its own (notebooks only)."""
@@ -285,6 +282,12 @@ class OutputStreamer:
                 f"(cap: {self.max_lines:,} lines or {self.max_bytes // 1024:,} KiB per rank); "
                 f"all {size_text(size)} are in {f.name}\n"
             )
+
+
+def _prefixed(ranks: list[int], lines: list[str]) -> str:
+    """``lines`` as the notebook shows them: ``[rank 3] loss 0.3``, ``[ranks 0-7] done``."""
+    prefix = _prefix(tuple(ranks))
+    return "".join(f"{prefix}{line}\n" for line in lines)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -450,8 +453,7 @@ def late_output(
         stream = ref() if ref is not None else getattr(sys, name)
         if stream is None:
             return  # (the cell's own stream, since dropped)
-        prefix = f"[{rank_list([ranks[i]])}] "
-        lines = "".join(f"{prefix}{line}\n" for line in text.splitlines())
+        lines = _prefixed([ranks[i]], text.splitlines())
         if request is not None and hasattr(stream, "set_thread_parent"):  # ipykernel's
             token = stream.set_thread_parent(request)
             try:

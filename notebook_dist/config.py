@@ -158,7 +158,8 @@ class DistConfig:
     dashboard_full_table: bool = False
     """From 9 ranks the dashboard groups the ranks by what they do (the stuck and the slow
     first) with one square per rank, and the full table one click away in a notebook; in
-    the text form (a terminal, nbconvert) True prints every rank's row instead."""
+    the text form (a terminal, nbconvert) True prints every rank's row instead. The same
+    holds for the table of a hang's verdict (the ranks whose rows read the same share one)."""
 
     dashboard_quiet_s: float = 1.0
     """A cell that ends sooner than this, with no ``nd.report``, error, release or hang,

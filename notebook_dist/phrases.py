@@ -6,12 +6,52 @@ from collections.abc import Iterable
 
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
+#: from how many ranks what is said of every rank says the ranks that are alike once: the
+#: dashboard's groups (``ui/compact.py``), the doctor's table
+COMPACT_FROM = 9
+
 
 def rank_list(ranks: Iterable[int], one: str = "rank", many: str = "ranks") -> str:
     """'rank 1', 'ranks 0, 2', 'Ranks 0-9, 11-31' (``many="Ranks"``): three or more ranks
     in a row as a range, so a verdict at 32 ranks names the odd one out at a glance."""
     ranks = sorted(set(ranks))
     return f"{one if len(ranks) == 1 else many} {_runs(ranks)}"
+
+
+def rank_numbers(ranks: Iterable[int]) -> str:
+    """The numbers alone, as :func:`rank_list` writes them: '0-4, 6-15'."""
+    return _runs(sorted(set(ranks)))
+
+
+#: the first word of what one rank does, as several ranks do it
+_OF_MANY = {"is": "are", "was": "were", "waits": "wait", "runs": "run", "has": "have"}
+
+
+def each_rank(
+    said: Iterable[tuple],
+    sep: str = "; ",
+    between: str = " ",
+    one: str = "rank",
+    many: str = "ranks",
+) -> str:
+    """What each rank does, the ranks that do the same named once, in the order they first
+    come: 'ranks 0-4, 6-15 wait in all_reduce #1 at line 4; rank 5 finished the cell'. At 32
+    ranks a verdict reads as one line per thing the ranks do, not one per rank. ``said``: a
+    rank and its words as of one rank, and as of several where :func:`of_many` cannot make
+    them."""
+    alike: dict[str, tuple[list[int], str]] = {}
+    for r, words, *of_several in said:
+        alike.setdefault(words, ([], of_several[0] if of_several else of_many(words)))[0].append(r)
+    return sep.join(
+        f"{rank_list(ranks, one, many)}{between}{words if len(ranks) == 1 else several}"
+        for words, (ranks, several) in alike.items()
+    )
+
+
+def of_many(words: str) -> str:
+    """What one rank does, said of several: 'is busy' -> 'are busy'."""
+    first, space, rest = words.partition(" ")
+    return _OF_MANY.get(first, first) + space + rest
 
 
 def _runs(ranks: list[int]) -> str:

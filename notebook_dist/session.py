@@ -255,7 +255,7 @@ class Session:
         watch = cluster.last_watch
         if watch is None:
             return "notebook_dist: no cell has run yet."
-        return watch.view().diagnosis_now().text()
+        return watch.view().diagnosis_now().text(cluster.config.dashboard_full_table)
 
     def export(self, path: str, cells: str | None, raw_history: list[str]) -> str:
         """``%dist_export``: the cells that ran, in order, as a torchrun script at ``path``

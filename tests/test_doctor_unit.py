@@ -85,7 +85,7 @@ def test_first_divergence_beats_the_last_stuck_op():
     d = diagnose(ranks, now=NOW, cell_file=CELL)
     assert d.kind == "mismatch"
     assert d.verdict.startswith(
-        "The ranks disagree at collective #3: rank 0 called all_gather at line 9; rank 1 called all_gather at line 9; rank 2 called barrier at line 7."
+        "The ranks disagree at collective #3: ranks 0, 1 called all_gather at line 9; rank 2 called barrier at line 7."
     )
 
 
@@ -150,7 +150,7 @@ def test_dead_rank_with_signal_and_line():
     d = diagnose(ranks, now=NOW, cell_file=CELL)
     assert d.kind == "dead" and d.culprits == [1] and d.line == 3
     assert d.verdict.startswith(
-        "rank 1 was killed by SIGABRT in all_reduce at line 3. rank 0 waits in all_reduce #1 at line 3."
+        "rank 1 was killed by SIGABRT in all_reduce at line 3. Rank 0 waits in all_reduce #1 at line 3."
     )
     assert "differ in shape or dtype" in d.verdict and d.verdict.endswith(
         "Run %dist_heal for a fresh rank in its place while the others keep their variables "
@@ -254,6 +254,57 @@ def test_text_rendering_and_stacks():
     assert lines[-1].startswith("Diagnosis: The ranks disagree at collective #1")
     text = format_stacks({r: v.snap for r, v in ranks.items()}, CELL)
     assert text.splitlines()[:2] == ["rank 0: in broadcast #1", "  line 4, in <module>"]
+
+
+def test_at_sixteen_ranks_the_table_and_the_stacks_say_the_ranks_that_are_alike_once():
+    """Rank 5 skips the all_reduce the 15 others wait in: the table has a row for the 15 (their
+    waits a range) and one for rank 5, the stacks one copy for the 15; every rank's row on
+    asking (DistConfig.dashboard_full_table)."""
+    stack = [frame(4), frame(3252, "all_reduce", "torch/distributed/distributed_c10d.py")]
+    ranks = {
+        r: running(rec(1, "all_reduce", 4, t0=990.0 - r / 10), stack=stack)
+        for r in range(16)
+        if r != 5
+    }
+    ranks[5] = RankReport("done", {"collective": None, "stack": [], "cell_state": "done"})
+    source = "%%distributed\nt = torch.ones(1)\nif nd.rank != 5:\n    dist.all_reduce(t)\n"
+    d = diagnose(ranks, now=NOW, cell_file=CELL, source=source)
+    assert d.kind == "conditional", d.verdict
+    lines = d.text().splitlines()
+    assert len(lines) == 4, lines  # the header, two rows, the verdict
+    assert lines[1].split()[:4] == ["0-4,", "6-15", "in", "collective"], lines
+    assert lines[1].endswith("10.0-11.5 s"), lines
+    assert lines[2].split() == ["5", "finished", "the", "cell"], lines
+    assert len(d.text(full=True).splitlines()) == 18
+    text = format_stacks({r: v.snap for r, v in ranks.items()}, CELL)
+    assert text.splitlines()[0] == "ranks 0-4, 6-15: in all_reduce #1", text
+    assert text.count("in all_reduce #1") == 1 and text.count("line 4, in <module>") == 1, text
+    assert text.splitlines()[-1] == "rank 5: finished the cell", text
+    # as a hang shows it in the cell: grouped, or every rank's row when the config asks
+    import io
+
+    from notebook_dist.config import DistConfig
+    from notebook_dist.watch.report import Reporter
+
+    snaps = {r: v.snap for r, v in ranks.items()}
+    for full, rows in ((False, 2), (True, 16)):
+        out = io.StringIO()
+        Reporter(out, CELL, DistConfig(dashboard_full_table=full)).hang(d, 3.0, None, snaps)
+        shown = out.getvalue()
+        assert len(shown[: shown.index("Diagnosis:")].strip().splitlines()) == 2 + rows, shown
+        assert shown.count("line 4, in <module>") == 1, shown
+
+
+def test_the_words_of_many_ranks_that_do_the_same_are_said_once():
+    from notebook_dist.phrases import each_rank
+
+    said = [(0, "was killed by SIGKILL"), (1, "exited with code 1"), (2, "was killed by SIGKILL")]
+    assert each_rank(said) == "ranks 0, 2 were killed by SIGKILL; rank 1 exited with code 1"
+    assert each_rank([(3, "is in pdb", "sit in pdb"), (4, "is in pdb", "sit in pdb")]) == (
+        "ranks 3, 4 sit in pdb"
+    )
+    assert each_rank([(0, "(4,) float32")], between=": ", one="Rank") == "Rank 0: (4,) float32"
+    assert each_rank([]) == ""
 
 
 # ---- point-to-point -------------------------------------------------------------------

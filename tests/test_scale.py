@@ -34,21 +34,26 @@ GIVE_UP_S = 60
 
 
 def verdict(cluster, code: str):
+    """The doctor's verdict on the cell, and the hang it printed (its table and stacks)."""
     diag, out, _, _ = until_verdict(cluster, code, HANG_AFTER, give_up_s=GIVE_UP_S)
     assert diag is not None, f"no verdict within {GIVE_UP_S} s:\n{out[-3000:]}"
-    return diag
+    return diag, out[out.index("no rank has made progress") :]
 
 
 def test_the_one_rank_that_skips_a_collective_is_named(big):
     n = big.world_size
     odd = n // 3
-    diag = verdict(big, f"t = torch.ones(1)\nif nd.rank != {odd}:\n    dist.all_reduce(t)\n")
+    diag, shown = verdict(big, f"t = torch.ones(1)\nif nd.rank != {odd}:\n    dist.all_reduce(t)\n")
     others = [r for r in range(n) if r != odd]
     assert diag.kind == "conditional" and diag.culprits == others, diag.verdict
     assert diag.verdict.startswith(
         f"Ranks 0-{odd - 1}, {odd + 1}-{n - 1} called all_reduce #1 at line 4, but rank {odd} "
         "finished the cell without calling it."
     ), diag.verdict
+    # readable on one screen: one row and one stack for the ranks that wait alike
+    table = shown[: shown.index("Diagnosis:")].splitlines()[1:]
+    assert len(table) == 3, table  # the header, the waiting ranks, the one that skipped
+    assert shown.count("in all_reduce #1\n") == 1 and f"rank {odd}: finished the cell" in shown
     r = big.run("t = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)")
     assert set(r.values.values()) == {float(n)}  # released, the group rebuilt
 
@@ -61,7 +66,9 @@ def test_the_rank_with_fewer_batches_is_named(big):
         f"batches = [torch.randn(8, 4) for _ in range(2 if nd.rank == {short} else 4)]\n"
         "for xb in batches:\n    model(xb).sum().backward()\n"
     )
-    diag = verdict(big, code)
+    diag, shown = verdict(big, code)
+    table = shown[: shown.index("Diagnosis:")].splitlines()[1:]
+    assert len(table) <= 4, table  # the ranks grouped by what they do
     assert diag.kind == "uneven" and diag.culprits == [short], diag.verdict
     assert f"rank {short} finished the cell" in diag.verdict, diag.verdict
 
@@ -82,7 +89,11 @@ def test_a_dead_rank_is_named_among_many(big):
     dead = big.world_size // 2 + 1
     with pytest.raises(ClusterError) as got:
         big.run(f"import os\nif nd.rank == {dead}:\n    os._exit(3)\ndist.barrier()\n")
-    assert f"rank {dead} exited with code 3" in str(got.value), str(got.value)
+    said = str(got.value)
+    assert said.startswith(f"rank {dead} exited with code 3"), said
+    # what the others did, once for the ranks that did the same (not a sentence each)
+    assert said.count("failed when the connections closed") <= 1, said
+    assert said.count(" in barrier #1") <= 1, said
     assert wait_until(lambda: set(big.dead_ranks()) == {dead}, 10), big.dead_ranks()
 
 

@@ -615,8 +615,8 @@ def _nothing_else_was_hit(report: dict) -> None:
 
 
 DIED = {
-    "os_exit": "rank 0 exited with code 1; rank 1 exited with code 1",
-    "sigkill": "rank 0 was killed by SIGKILL; rank 1 was killed by SIGKILL",
+    "os_exit": "ranks 0, 1 exited with code 1",
+    "sigkill": "ranks 0, 1 were killed by SIGKILL",
 }
 
 #: every way of ending every rank, then every way on: two chains, one kernel each (each
@@ -652,7 +652,7 @@ def _every_rank_died_then(how: str, then: str, said: dict[str, str]) -> None:
     which = f"({how} then {then})"
     died = DIED[how]
     assert "Error" not in said["setup"], (which, said["setup"])
-    assert "ClusterError: Every rank of the cell has ended: rank 0 " in said["end ranks"], (
+    assert "ClusterError: Every rank of the cell has ended: ranks 0, 1 " in said["end ranks"], (
         which,
         said,
     )

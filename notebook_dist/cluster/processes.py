@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config import DistConfig
 from ..errors import ClusterError, PreflightError
+from ..phrases import each_rank
 from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
@@ -343,7 +344,7 @@ def exit_idle_ranks(processes: Processes, wait_s: float = 2.0) -> None:
 def ended_message(dead: dict[int, str], world_size: int, healable: bool = True) -> str:
     """What to say of ranks whose processes have ended, and what to do (``healable``: the
     cluster can start stand-ins, %dist_heal)."""
-    what = "; ".join(f"rank {r} {how}" for r, how in sorted(dead.items()))
+    what = each_rank(sorted(dead.items()))
     if len(dead) == world_size and world_size > 1:
         return (
             f"Every rank has ended: {what}. Their variables are gone. Run %dist_restart for fresh "
@@ -367,7 +368,7 @@ def stop_note(world_size: int, dead: dict[int, str], controller_gone: bool = Fal
         parts.append(f"{alive} rank{'s' if alive != 1 else ''}")
     said = " and ".join(parts) or "nothing left running"
     if dead:
-        what = "; ".join(f"rank {r} {how}" for r, how in sorted(dead.items()))
+        what = each_rank(sorted(dead.items()))
         if len(dead) == world_size:
             said += f"; every rank had already ended ({what})"
         else:

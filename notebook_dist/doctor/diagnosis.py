@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..phrases import COMPACT_FROM, rank_numbers
 
 COLUMNS = ("rank", "state", "op", "shapes", "where", "waiting")
 
@@ -20,9 +23,39 @@ class Diagnosis:
     line: int | None = None
     rule: str = ""  # the code of the rule that gave the verdict (ND101, ...)
 
-    def text(self) -> str:
+    def text(self, full: bool = False) -> str:
+        """The table and the verdict. From ``phrases.COMPACT_FROM`` ranks, the ranks whose
+        rows read the same share one row, unless ``full`` (every rank's row)."""
         from ..table import format_table
 
-        lines = format_table(COLUMNS, self.rows) if self.rows else []
+        rows = self.rows if full or len(self.rows) < COMPACT_FROM else alike_rows(self.rows)
+        lines = format_table(COLUMNS, rows) if rows else []
         lines.append(f"Diagnosis: {self.verdict}")
         return "\n".join(lines)
+
+
+#: how long a rank has waited, as its row says it
+_WAITED = re.compile(r"(\d+(?:\.\d+)?) s")
+
+
+def alike_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row for the ranks whose rows read the same but for how long each has waited
+    (which then reads as a range: '3.4-3.6 s'), in the order of their first rank."""
+    alike: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        waited = _WAITED.fullmatch(str(row.get("waiting", "")))
+        key = tuple(row.get(c, "") for c in COLUMNS[1:-1]) + (
+            "" if waited else row.get("waiting", ""),
+        )
+        alike.setdefault(key, []).append(row)
+    return [
+        {**same[0], "rank": rank_numbers(r["rank"] for r in same), "waiting": _waited(same)}
+        for same in alike.values()
+    ]
+
+
+def _waited(rows: list[dict[str, Any]]) -> str:
+    times = sorted({float(m[1]) for r in rows if (m := _WAITED.fullmatch(str(r["waiting"])))})
+    if len(times) < 2:
+        return rows[0].get("waiting", "")
+    return f"{times[0]:.1f}-{times[-1]:.1f} s"

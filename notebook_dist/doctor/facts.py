@@ -16,7 +16,7 @@ from .diagnosis import COLUMNS
 from .source import rank_condition, rank_loop
 from .stacks import stack_line
 from .waits import Wait, wait_of
-from .words import cell_line, plural, verb
+from .words import cell_line, each_rank
 
 # how a collective fails when a peer's connections close under it (a peer that died or was
 # released); torch-internal ones, such as DDP's gradient all_reduce, never pass the tracker
@@ -100,12 +100,7 @@ class Facts:
     def waiting_phrase(self, ranks: list[int] | None = None) -> str:
         """'ranks 0, 2 wait in all_reduce #2 at line 6; rank 1 waits in recv from rank 0 at line 4'."""
         ranks = sorted(self.waits) if ranks is None else ranks
-        by_call: dict[str, list[int]] = {}
-        for r in ranks:
-            by_call.setdefault(self.wait_text(r), []).append(r)
-        return "; ".join(
-            f"{plural(rs)} {verb(rs, 'waits', 'wait')} in {what}" for what, rs in by_call.items()
-        )
+        return each_rank((r, f"waits in {self.wait_text(r)}") for r in ranks)
 
     def wait_text(self, r: int) -> str:
         """What rank r waits in, and where: 'all_reduce #2 at line 6'."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .words import CELL_PREFIX, p2p_text, short_file
+from .words import CELL_PREFIX, p2p_text, rank_list, short_file
 
 
 def stack_line(stack: list[dict] | None, cell_file: str | None) -> tuple[str, int | None]:
@@ -96,30 +96,36 @@ def in_backward(stack: list[dict] | None) -> bool:
 
 
 def format_stacks(snaps: dict[int, dict], cell_file: str | None = None) -> str:
-    """Every rank's main-thread stack, innermost last, cell frames as cell lines."""
-    out = []
+    """Every rank's main-thread stack, innermost last, cell frames as cell lines. Ranks whose
+    stacks read the same are shown once under all their numbers ('ranks 0-4, 6-15: in
+    all_reduce #1'): at 32 ranks a hang is a few stacks, not 32 copies of one."""
+    alike: dict[str, list[int]] = {}
     for r in sorted(snaps):
-        snap = snaps[r] or {}
-        stack = snap.get("stack") or []
-        coll = snap.get("collective")
-        head = f"rank {r}"
-        if coll and coll.get("kind") == "p2p":
-            head += f": in {p2p_text(coll)}"
-        elif coll:
-            head += f": in {coll['op']} #{coll['seq']}"
-        elif snap.get("p2p_pending"):
-            head += ": waiting on " + ", ".join(p2p_text(p) for p in snap["p2p_pending"][:3])
-        out.append(head)
-        if not stack:
-            out.append("  (no stack reported)")
-        for f in stack:
-            if not f.get("file"):  # frames left out of a deep stack
-                out.append(f"  {f['func']}")
-                continue
-            where = (
-                f"line {f['line']}" if f["file"] == cell_file else f"{f['file']}, line {f['line']}"
-            )
-            out.append(f"  {where}, in {f['func']}")
-            if f.get("code"):
-                out.append(f"    {f['code']}")
+        alike.setdefault(_stack_text(snaps[r] or {}, cell_file), []).append(r)
+    return "\n".join(rank_list(ranks) + text for text, ranks in alike.items())
+
+
+def _stack_text(snap: dict, cell_file: str | None) -> str:
+    """One rank's stack as :func:`format_stacks` shows it, after the rank's number."""
+    stack = snap.get("stack") or []
+    coll = snap.get("collective")
+    out = [""]
+    if coll and coll.get("kind") == "p2p":
+        out[0] = f": in {p2p_text(coll)}"
+    elif coll:
+        out[0] = f": in {coll['op']} #{coll['seq']}"
+    elif snap.get("p2p_pending"):
+        out[0] = ": waiting on " + ", ".join(p2p_text(p) for p in snap["p2p_pending"][:3])
+    if not stack and snap.get("cell_state") == "done":  # (its final report: no stack)
+        out[0] = out[0] or ": finished the cell"
+    elif not stack:
+        out.append("  (no stack reported)")
+    for f in stack:
+        if not f.get("file"):  # frames left out of a deep stack
+            out.append(f"  {f['func']}")
+            continue
+        where = f"line {f['line']}" if f["file"] == cell_file else f"{f['file']}, line {f['line']}"
+        out.append(f"  {where}, in {f['func']}")
+        if f.get("code"):
+            out.append(f"    {f['code']}")
     return "\n".join(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..phrases import rank_list
+from ..phrases import each_rank, of_many, rank_list  # noqa: F401 (the rules' words too)
 
 CELL_PREFIX = "Cell In["
 

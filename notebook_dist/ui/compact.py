@@ -2,7 +2,7 @@
 look first, and a strip with one square per rank; the full table one click away.
 
 A table of 32 rows is a page tall and buries the one stuck rank. Past
-:data:`COMPACT_FROM` ranks the live view and the record show instead::
+``phrases.COMPACT_FROM`` ranks the live view and the record show instead::
 
     32 ranks · gloo · 41.0 s
     rank 5: running (straggler) · step 40/100
@@ -21,13 +21,10 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ..phrases import rank_list
+from ..phrases import COMPACT_FROM, rank_list
 from .state import DashboardState, RankRow
 from .widget_colors import STATE_COLORS
 from .words import healed_text, progress_text
-
-#: from how many ranks the dashboard shows groups instead of a row per rank
-COMPACT_FROM = 9
 
 #: which states are listed first: what needs a look, then what runs, then what is over
 ORDER = (

@@ -10,7 +10,7 @@ from .words import fmt_metric, healed_text, progress_text
 
 
 def render_text(st: DashboardState, full: bool = False) -> str:
-    """The dashboard as text; from ``compact.COMPACT_FROM`` ranks, the ranks grouped by
+    """The dashboard as text; from ``phrases.COMPACT_FROM`` ranks, the ranks grouped by
     what they do unless ``full`` (``DistConfig.dashboard_full_table``)."""
     head = f"{st.world_size} ranks · {st.backend} · {st.wall_s:.1f} s"
     if st.throughput:

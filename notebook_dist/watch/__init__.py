@@ -71,7 +71,7 @@ class CellWatch:
         self.progress = Progress(ranks, metadata, list(ar._children), token)
         self.views = self.progress.views
         self.streamer = _streamer(ranks, metadata, out, err, prepared, self.config, raw_output)
-        self.report = Reporter(self.streamer.stdout_stream(), prepared.filename)
+        self.report = Reporter(self.streamer.stdout_stream(), prepared.filename, self.config)
         # ranks that ask for a line (a debugger, input()): asked of the notebook's user
         self.console = Console(cluster, self.report.line, answers=answers)
         self.releases = Releases(cluster, self.views, token)

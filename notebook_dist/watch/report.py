@@ -14,9 +14,11 @@ from ..phrases import rank_list
 
 
 class Reporter:
-    def __init__(self, stream: TextIO, cell_file: str):
+    def __init__(self, stream: TextIO, cell_file: str, config=None):
         self.stream = stream
         self.cell_file = cell_file
+        # every rank's row in a hang's table, however many (DistConfig.dashboard_full_table)
+        self.full_table = bool(config and config.dashboard_full_table)
 
     def line(self, text: str) -> None:
         self._say(text + "\n")
@@ -36,7 +38,7 @@ class Reporter:
         # could only run after it; the same stacks stay available to it then
         self._say(
             f"\nnotebook_dist: no rank has made progress for {waited_s:.0f} s ({tail})\n"
-            f"{diag.text()}\nStacks (innermost last):\n"
+            f"{diag.text(self.full_table)}\nStacks (innermost last):\n"
             f"{format_stacks(snaps, self.cell_file)}\n\n"
         )
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..facts import records
-from ..words import call_text, cell_line, plural, shape_text, thread_of
+from ..words import call_text, cell_line, each_rank, plural, shape_text, thread_of
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []
@@ -136,8 +136,8 @@ def divergence(f: Facts) -> Diagnosis | None:
     if kind == "argument":
         return _arguments_differ(f, seq, gname, present)
     if kind == "mismatch":
-        calls = "; ".join(
-            f"rank {r} called {rec['op']} at {call_text(rec, f.cell_file)}{thread_of(rec)}"
+        calls = each_rank(
+            (r, f"called {rec['op']} at {call_text(rec, f.cell_file)}{thread_of(rec)}")
             for r, rec in sorted(present.items())
         )
         base = f"The ranks disagree at collective #{seq}{gname}: {calls}."
@@ -216,9 +216,12 @@ def other_groups(f: Facts) -> Diagnosis | None:
 
 
 def _tensors_differ(f: Facts, kind: str, seq: int, gname: str, present: dict) -> Diagnosis:
-    parts = "; ".join(
-        f"rank {r}: {rec['op']} of {shape_text(rec['shapes'])} {'/'.join(rec['dtypes'])}"
-        for r, rec in sorted(present.items())
+    parts = each_rank(
+        (
+            (r, f"{rec['op']} of {shape_text(rec['shapes'])} {'/'.join(rec['dtypes'])}")
+            for r, rec in sorted(present.items())
+        ),
+        between=": ",
     )
     rec0 = next(iter(present.values()))
     noun = "shape" if kind == "shapes" else "dtype"

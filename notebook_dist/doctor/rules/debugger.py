@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..words import each_rank
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []
@@ -13,7 +14,7 @@ def in_the_debugger(f: Facts) -> Diagnosis | None:
     stopped = f.in_kind("debugger")
     if not stopped:
         return None
-    what = "; ".join(f"rank {r} is in {f.wait_text(r)}" for r in stopped)
+    what = each_rank((r, f"is in {f.wait_text(r)}") for r in stopped)
     others = [r for r in f.waits if r not in stopped]
     tail = f" Meanwhile {f.waiting_phrase(others)}." if others else ""
     return make(

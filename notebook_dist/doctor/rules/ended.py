@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..facts import TRANSPORT_ERROR, records
-from ..words import call_text, rank_list, shape_text, verb
-from .base import Diagnosis, Facts, make, registrar
+from ..words import call_text, each_rank, of_many, rank_list, shape_text, verb
+from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []
 #: the signals of a process that failed inside itself (not one killed from outside)
@@ -31,7 +31,7 @@ def dead(f: Facts) -> Diagnosis | None:
             text += f" (last seen at {f.stack_at(r)}, {age:.1f} s before it was found dead)"
         return text
 
-    how = "; ".join(f"rank {r} {f.info[r].exit or 'died'}{at(r)}" for r in f.dead)
+    how = each_rank((r, f"{f.info[r].exit or 'died'}{at(r)}") for r in f.dead)
     then = (
         "Run %dist_heal for a fresh rank in its place while the others keep their variables "
         "(--copy NAMES gives it yours), or %dist_restart (add --replay to re-run your setup "
@@ -50,12 +50,18 @@ def dead(f: Facts) -> Diagnosis | None:
             " ranks: check what each rank passes there."
         )
     waiting = f.waiting_phrase()
-    tail = f" {waiting}." if waiting else ""
+    tail = f" {cap(waiting)}." if waiting else ""
     broken = [r for r in f.raised if TRANSPORT_ERROR.search(str(f.info[r].error[1]))]
-    for r in broken:  # its collective failed when the dead rank's connections closed
+
+    def failed(r: int) -> tuple[int, str, str]:  # when the dead rank's connections closed
         line = f.info[r].error[2]
         at = f" at line {line}" if line else ""
-        tail += f" Rank {r}'s collective{at} failed when the connections closed."
+        closed = f"{at} failed when the connections closed"
+        return r, f"collective{closed}", f"collectives{closed}"
+
+    if broken:
+        lost = each_rank(map(failed, broken), ". ", "'s ", "Rank", "Ranks")
+        tail += f" {lost}."
     tail += survivors(f, [r for r in f.raised if r not in broken])
     line = next((f.info[r].fault["line"] for r in f.dead if f.info[r].fault.get("line")), None)
     return make(
@@ -71,17 +77,24 @@ def survivors(f: Facts, raised: list[int]) -> str:
     """What the ranks that outlived the dead did, beside those waiting in collectives: the
     ones stopped by the interrupt that follows a death, the ones that raised, and the ones
     still in Python code (an interrupt can not stop code that ignores it)."""
-    said = ""
-    for r in raised:
+
+    def what(r: int) -> tuple[int, str, str]:
         ename, _, line = f.info[r].error
+        did = "was interrupted" if ename == "KeyboardInterrupt" else f"raised {ename}"
         at = f" at line {line}" if line else ""
-        what = "was interrupted" if ename == "KeyboardInterrupt" else f"raised {ename}"
-        said += f" Rank {r} {what}{at} and keeps its variables."
+        return (
+            r,
+            f"{did}{at} and keeps its variables",
+            f"{of_many(did)}{at} and keep their variables",
+        )
+
+    alike = each_rank(map(what, raised), sep=". ", one="Rank", many="Ranks")
+    said = f" {alike}." if alike else ""
     if f.busy:
         at = (
             f" at {f.stack_at(f.busy[0])}"
             if len(f.busy) == 1
-            else " (" + "; ".join(f"rank {r} at {f.stack_at(r)}" for r in f.busy) + ")"
+            else " (" + each_rank((r, f"at {f.stack_at(r)}") for r in f.busy) + ")"
         )
         said += (
             f" {rank_list(f.busy, 'Rank', 'Ranks')} still {verb(f.busy, 'runs', 'run')} "
@@ -116,7 +129,7 @@ def abort_hint(f: Facts, dead: int) -> str:
         op = "" if x.get("op") == rec.get("op") else f"{x.get('op')} of "
         return f"{op}{shape_text(x.get('shapes') or [])} {'/'.join(x.get('dtypes') or [])}".strip()
 
-    each = "; ".join(f"rank {r} {what(x)}" for r, x in sorted(passed.items()))
+    each = each_rank((r, what(x)) for r, x in sorted(passed.items()))
     unseen = "" if len(passed) > 1 else " (the others' arguments were not seen)"
     who = (
         f"Gloo aborted rank {dead}" if "SIGABRT" in str(f.info[dead].exit) else f"Rank {dead} died"
@@ -133,9 +146,12 @@ def abort_hint(f: Facts, dead: int) -> str:
 def raised(f: Facts) -> Diagnosis | None:
     if not f.raised:
         return None
-    what = "; ".join(
-        f"rank {r} raised {f.info[r].error[0]}"
-        + (f" at line {f.info[r].error[2]}" if f.info[r].error[2] else "")
+    what = each_rank(
+        (
+            r,
+            f"raised {f.info[r].error[0]}"
+            + (f" at line {f.info[r].error[2]}" if f.info[r].error[2] else ""),
+        )
         for r in f.raised
     )
     waiting = f.waiting_phrase()

@@ -4,7 +4,7 @@ some ranks make."""
 from __future__ import annotations
 
 from ..stacks import library_call
-from ..words import plural, verb
+from ..words import each_rank, plural, verb
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []
@@ -38,7 +38,7 @@ def library(f: Facts) -> Diagnosis | None:
     others = [r for r in f.info if r not in inside and r not in f.busy]
     if not others:
         if len({f.waits[r].op for r in inside}) > 1:
-            calls = "; ".join(f"rank {r} in {f.wait_text(r)}" for r in inside)
+            calls = each_rank((r, f"in {f.wait_text(r)}") for r in inside)
             return make(
                 f,
                 "mismatch",
@@ -61,7 +61,7 @@ def library(f: Facts) -> Diagnosis | None:
     )
     if call.get("code"):
         issued += f" (`{call['code']}`)"
-    never = "; ".join(f"rank {r} {f.elsewhere(r)}" for r in sorted(others))
+    never = each_rank((r, f.elsewhere(r)) for r in sorted(others))
     text = f"{cap(plural(inside))} {verb(inside, 'waits', 'wait')} in {issued}, while {never} without calling it."
     cond = f.condition(line)
     if cond:

@@ -3,7 +3,7 @@ GPU, ranks that finished while others wait."""
 
 from __future__ import annotations
 
-from ..words import plural, verb
+from ..words import each_rank, plural, verb
 from .base import Diagnosis, Facts, cap, make, registrar
 
 RULES: list = []
@@ -39,12 +39,12 @@ def busy(f: Facts) -> Diagnosis | None:
         return None
     parts = []
     if f.busy:
-        where = "; ".join(f"rank {r} at {f.stack_at(r)}" for r in f.busy)
+        where = each_rank((r, f"at {f.stack_at(r)}") for r in f.busy)
         parts.append(
             f"{cap(plural(f.busy))} {verb(f.busy, 'is', 'are')} busy in Python, not in a collective ({where})"
         )
     if gpu_busy:
-        where = "; ".join(f"rank {r} at {f.stack_at(r)}" for r in gpu_busy)
+        where = each_rank((r, f"at {f.stack_at(r)}") for r in gpu_busy)
         parts.append(
             f"{cap(plural(gpu_busy))} {verb(gpu_busy, 'is', 'are')} busy on the GPU (a kernel "
             f"still running; the host thread waits for it at {where})"

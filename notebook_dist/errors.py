@@ -6,7 +6,7 @@ what happened on the ranks instead of a traceback through notebook_dist itself.
 
 from __future__ import annotations
 
-from .phrases import rank_list
+from .phrases import each_rank, rank_list
 
 
 class NotebookDistError(Exception):
@@ -81,23 +81,57 @@ class RankError(NotebookDistError, RuntimeError):
     """One or more ranks raised while running a cell.
 
     ``errors`` maps rank -> ``RemoteTraceback``; the exception renders each rank's
-    traceback once, with frames in the cell numbered as the notebook shows them.
+    traceback once, with frames in the cell numbered as the notebook shows them. With
+    ``fold`` (the cell's output was folded: ``DistConfig.fold_from_ranks``), ranks whose
+    tracebacks are the same show one, and ranks whose tracebacks differ only in their last
+    line (a message that names the rank) share the lines above it.
     """
 
-    def __init__(self, errors: dict[int, RemoteTraceback]):
+    def __init__(self, errors: dict[int, RemoteTraceback], fold: bool = False):
         self.errors = dict(sorted(errors.items()))
-        first = next(iter(self.errors.values()))
-        super().__init__(f"{rank_list(self.errors)} raised {first.ename}: {first.evalue}")
+        self.fold = fold
+        super().__init__(_raised(self.errors))
 
     def _render_traceback_(self) -> list[str]:
         lines: list[str] = []
-        for rank, err in self.errors.items():
-            lines.extend(
-                f"[rank {rank}] {line}" for line in err.traceback.rstrip("\n").splitlines()
-            )
+        for shown in _tracebacks(self.errors, self.fold):
+            lines.extend(shown)
             lines.append("")
         lines.append(f"RankError: {self}")
         return lines
+
+
+#: past this many different errors, the message names the first and counts the others
+_SAID_APART = 3
+
+
+def _raised(errors: dict[int, RemoteTraceback]) -> str:
+    """'ranks 0-15 raised ValueError: bad value', each different error once; many different
+    messages (one naming each rank): how many, and the first."""
+    said = [(r, f"raised {e.ename}: {e.evalue}") for r, e in errors.items()]
+    different = len({words for _, words in said})
+    if different <= _SAID_APART:
+        return each_rank(said)
+    names = ", ".join(dict.fromkeys(e.ename for e in errors.values()))
+    r0, first = said[0]
+    return f"{rank_list(errors)} raised {names} ({different} different messages; rank {r0} {first})"
+
+
+def _tracebacks(errors: dict[int, RemoteTraceback], fold: bool):
+    """Each traceback shown, its lines prefixed with the ranks they are of."""
+    if not fold:
+        for rank, err in errors.items():
+            yield [f"[rank {rank}] {line}" for line in err.traceback.rstrip("\n").splitlines()]
+        return
+    alike: dict[tuple[str, ...], dict[str, list[int]]] = {}  # the lines above -> last -> ranks
+    for rank, err in errors.items():
+        *above, last = err.traceback.rstrip("\n").splitlines() or [""]
+        alike.setdefault(tuple(above), {}).setdefault(last, []).append(rank)
+    for above, lasts in alike.items():
+        every = rank_list([r for ranks in lasts.values() for r in ranks])
+        yield [f"[{every}] {line}" for line in above] + [
+            f"[{rank_list(ranks)}] {last}" for last, ranks in lasts.items()
+        ]
 
 
 class CellInterrupted(KeyboardInterrupt):

@@ -89,6 +89,8 @@ class CellResult:
     profile: Any = None  # notebook_dist.profile.Profile, for a cell run with profile=True
     #: ranks whose cell ended itself (exit(), sys.exit()): notebook_dist.runtime.exits.report
     exits: dict[int, dict] = field(default_factory=dict)
+    #: whether the ranks' alike tracebacks show once, as their output was folded
+    fold: bool = False
 
     def exit_note(self) -> str:
         """The one line for the ranks whose cell called exit() or sys.exit(); "" if none."""
@@ -115,7 +117,7 @@ class CellResult:
         if self.errors:
             from .errors import RankError
 
-            raise RankError(self.errors)
+            raise RankError(self.errors, self.fold)
 
 
 def collect(ranks: list[int], results: list[dict[str, Any]], gather: list[str]) -> CellResult:

@@ -12,7 +12,7 @@ from conftest import until_verdict, wait_until
 
 from notebook_dist import DistCluster
 from notebook_dist.config import DistConfig
-from notebook_dist.errors import ClusterError
+from notebook_dist.errors import ClusterError, RankError
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +95,33 @@ def test_a_dead_rank_is_named_among_many(big):
     assert said.count("failed when the connections closed") <= 1, said
     assert said.count(" in barrier #1") <= 1, said
     assert wait_until(lambda: set(big.dead_ranks()) == {dead}, 10), big.dead_ranks()
+
+
+def test_the_ranks_tracebacks_that_are_alike_show_once(big):
+    """Every rank raises: one traceback for all, not one a rank; a message that names the rank
+    keeps a line for each, under the lines they share."""
+    n = big.world_size
+    same = big.run("x = 1\nraise ValueError('bad value')\n")
+    with pytest.raises(RankError) as got:
+        same.raise_for_errors()
+    assert str(got.value) == f"ranks 0-{n - 1} raised ValueError: bad value"
+    shown = "\n".join(got.value._render_traceback_())
+    assert shown.count("Traceback (most recent call last)") == 1, shown
+    assert f"[ranks 0-{n - 1}] ValueError: bad value" in shown, shown
+    named = big.run("raise ValueError(f'bad value on rank {nd.rank}')\n")
+    with pytest.raises(RankError) as got:
+        named.raise_for_errors()
+    assert str(got.value).startswith(f"ranks 0-{n - 1} raised ValueError ({n} different"), got
+    shown = got.value._render_traceback_()
+    assert shown[0] == f"[ranks 0-{n - 1}] Traceback (most recent call last):", shown
+    assert [ln for ln in shown if "] ValueError" in ln] == [
+        f"[rank {r}] ValueError: bad value on rank {r}" for r in range(n)
+    ]
+    raw = big.run("raise ValueError('bad value')\n", raw_output=True)
+    with pytest.raises(RankError) as got:
+        raw.raise_for_errors()
+    shown = "\n".join(got.value._render_traceback_())
+    assert shown.count("Traceback (most recent call last)") == n  # as they came, asked so
 
 
 def test_the_benchmarks_floor_answers_from_every_bare_process_and_ends_them():

@@ -216,6 +216,7 @@ def _collected(watch, selected: list[int], results: list, gather: list[str], out
         if r in result.errors and len(result.errors) > 1:
             del result.errors[r]
     result.released = sorted(watch.released)
+    result.fold = watch.streamer.folding is not None  # (tracebacks fold as the lines did)
     if result.exits:
         stream = out or sys.stdout
         stream.write(result.exit_note() + "\n")

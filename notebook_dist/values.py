@@ -23,6 +23,7 @@ from typing import Any
 import cloudpickle
 
 from .errors import TransferError
+from .phrases import COMPACT_FROM, rank_list
 
 SHM_MIN_BYTES = 1 << 20
 
@@ -338,28 +339,39 @@ class RankValues(Mapping):
             return
         title = f"RankValues {self._name}" if self._name else "RankValues"
         p.text(f"{title} ({len(self)} {'rank' if len(self) == 1 else 'ranks'})")
-        for r, v in self._data.items():
-            text = repr(v)
+        for ranks, text in self._shown():
             lines = text.splitlines() or [""]
             p.break_()
-            p.text(f"[rank {r}] {lines[0]}")
+            p.text(f"[{ranks}] {lines[0]}")
             for line in lines[1:]:
                 p.break_()
-                p.text(" " * (len(f"[rank {r}] ")) + line)
+                p.text(" " * (len(f"[{ranks}] ")) + line)
 
     def _repr_html_(self) -> str:
         import html
 
         title = html.escape(f"RankValues {self._name}" if self._name else "RankValues")
         rows = "".join(
-            f"<tr><td style='text-align:right'><b>{r}</b></td>"
-            f"<td style='text-align:left'><pre style='margin:0'>{html.escape(repr(v))}</pre></td></tr>"
-            for r, v in self._data.items()
+            f"<tr><td style='text-align:right'><b>{html.escape(ranks.split(' ', 1)[1])}</b></td>"
+            f"<td style='text-align:left'><pre style='margin:0'>{html.escape(text)}</pre></td></tr>"
+            for ranks, text in self._shown()
         )
         return (
             f"<table class='notebook-dist-rankvalues'><caption style='text-align:left'>{title}</caption>"
             f"<thead><tr><th>rank</th><th style='text-align:left'>value</th></tr></thead><tbody>{rows}</tbody></table>"
         )
+
+    def _shown(self) -> list[tuple[str, str]]:
+        """(the ranks, 'rank 3' or 'ranks 0-31'; the value's repr) as the notebook shows
+        them: from ``phrases.COMPACT_FROM`` ranks, the ranks whose values read the same share
+        one entry, in the order of their first rank (32 copies of 'ok' are one line)."""
+        texts = [(r, repr(v)) for r, v in self._data.items()]
+        if len(texts) < COMPACT_FROM:
+            return [(rank_list([r]), text) for r, text in texts]
+        alike: dict[str, list[int]] = {}
+        for r, text in texts:
+            alike.setdefault(text, []).append(r)
+        return [(rank_list(ranks), text) for text, ranks in alike.items()]
 
 
 def _short_repr(v: Any, limit: int = 80) -> str:

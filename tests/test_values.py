@@ -158,6 +158,28 @@ def test_rank_values_mapping():
     assert RankValues({0: torch.ones(2)}) != RankValues({0: torch.zeros(2)})
 
 
+def test_many_ranks_values_that_read_the_same_are_shown_once():
+    """From 9 ranks the notebook shows the ranks whose values read the same once; each rank's
+    own value is still there; fewer ranks keep a line each."""
+    from IPython.lib.pretty import pretty
+
+    rv = RankValues({r: "ok" if r != 17 else "late" for r in range(32)})
+    assert pretty(rv).splitlines() == [
+        "RankValues (32 ranks)",
+        "[ranks 0-16, 18-31] 'ok'",
+        "[rank 17] 'late'",
+    ]
+    html = rv._repr_html_()
+    assert html.count("<tr><td") == 2 and "<b>0-16, 18-31</b>" in html, html
+    assert rv[5] == "ok" and len(rv) == 32 and repr(rv).count("'ok'") == 31
+    tensors = pretty(RankValues({r: torch.full((2,), float(r % 2)) for r in range(16)}))
+    assert tensors.splitlines()[1:] == [
+        "[ranks 0, 2, 4, 6, 8, 10, 12, 14] tensor([0., 0.])",
+        "[ranks 1, 3, 5, 7, 9, 11, 13, 15] tensor([1., 1.])",
+    ]
+    assert len(pretty(RankValues(dict.fromkeys(range(8), "ok"))).splitlines()) == 9
+
+
 def test_rank_values_pretty_one_row_per_rank():
     from IPython.lib.pretty import pretty
 

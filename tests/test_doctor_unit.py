@@ -280,6 +280,12 @@ def test_at_sixteen_ranks_the_table_and_the_stacks_say_the_ranks_that_are_alike_
     assert text.splitlines()[0] == "ranks 0-4, 6-15: in all_reduce #1", text
     assert text.count("in all_reduce #1") == 1 and text.count("line 4, in <module>") == 1, text
     assert text.splitlines()[-1] == "rank 5: finished the cell", text
+    ended = {0: {"cell_state": "error"}, 1: {"cell_state": "error"}, 2: {}, 3: {"stack": []}}
+    assert format_stacks(ended, CELL).splitlines() == [
+        "ranks 0, 1: ended the cell with an error",
+        "ranks 2, 3",
+        "  (no stack reported)",
+    ]
     # as a hang shows it in the cell: grouped, or every rank's row when the config asks
     import io
 

@@ -105,6 +105,14 @@ def format_stacks(snaps: dict[int, dict], cell_file: str | None = None) -> str:
     return "\n".join(rank_list(ranks) + text for text, ranks in alike.items())
 
 
+#: what a rank whose report has no stack is doing, by its cell's state
+_ENDED = {
+    "done": "finished the cell",
+    "error": "ended the cell with an error",
+    "idle": "idle, no cell running",
+}
+
+
 def _stack_text(snap: dict, cell_file: str | None) -> str:
     """One rank's stack as :func:`format_stacks` shows it, after the rank's number."""
     stack = snap.get("stack") or []
@@ -116,8 +124,9 @@ def _stack_text(snap: dict, cell_file: str | None) -> str:
         out[0] = f": in {coll['op']} #{coll['seq']}"
     elif snap.get("p2p_pending"):
         out[0] = ": waiting on " + ", ".join(p2p_text(p) for p in snap["p2p_pending"][:3])
-    if not stack and snap.get("cell_state") == "done":  # (its final report: no stack)
-        out[0] = out[0] or ": finished the cell"
+    ended = _ENDED.get(snap.get("cell_state"))
+    if not stack and ended:  # (its final report, or one while no cell runs: no stack)
+        out[0] = out[0] or f": {ended}"
     elif not stack:
         out.append("  (no stack reported)")
     for f in stack:

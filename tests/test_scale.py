@@ -40,6 +40,16 @@ def verdict(cluster, code: str):
     return diag, out[out.index("no rank has made progress") :]
 
 
+def test_the_rank_table_of_many_ranks_is_a_row_a_host(big):
+    """%dist_init's table at 16 and 32 ranks: the ranks on this host in one row, and where
+    each rank's own row is; %dist_status keeps every rank's."""
+    n = big.world_size
+    lines = big.table().splitlines()
+    assert len(lines) == 3 and lines[1].split() == [f"0-{n - 1}", big.ranks[0].host, "cpu", "gloo"]
+    assert lines[2] == "(every rank's pid and state: %dist_status)", lines
+    assert len(big.table(big.status()).splitlines()) == n + 1
+
+
 def test_the_one_rank_that_skips_a_collective_is_named(big):
     n = big.world_size
     odd = n // 3

@@ -31,6 +31,7 @@ from .. import signals
 from ..config import DistConfig
 from ..errors import ClusterError, PreflightError
 from ..execute import PreparedCell
+from ..phrases import COMPACT_FROM
 from ..plan import ClusterPlan, plan_cluster, plan_on_engines
 from ..ranks import parse_ranks
 from ..values import RankValues, shm_dir_for
@@ -312,9 +313,12 @@ class DistCluster:
         rows: list[dict[str, Any]] | None = None,
         columns: tuple[str, ...] = ("rank", "host", "pid", "device", "backend"),
     ) -> str:
-        """The rank table as fixed-width text."""
+        """The rank table as fixed-width text; without ``rows``, from ``phrases.COMPACT_FROM``
+        ranks, the ranks alike on a host share a row (``ranks.grouped_table``)."""
         from ..table import format_table
 
+        if rows is None and len(self.ranks) >= COMPACT_FROM:
+            return rank_setup.grouped_table(self.ranks)
         rows = [{c: getattr(r, c) for c in columns} for r in self.ranks] if rows is None else rows
         return "\n".join(format_table(columns, rows))
 

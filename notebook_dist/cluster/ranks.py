@@ -10,6 +10,7 @@ from typing import Any
 
 from ..config import DistConfig, scheduling
 from ..errors import ClusterError
+from ..phrases import rank_numbers
 from ..plan import ClusterPlan
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import group as rt_group
@@ -27,6 +28,37 @@ class RankInfo:
     backend: str
     machine: str = ""  # machine_id(): which ranks share a host with the notebook
     start: str = ""  # the process's start time, as the rank read it (with pid: this process)
+
+
+def grouped_table(ranks: list[RankInfo]) -> str:
+    """The rank table for many ranks, as ``%dist_init`` shows it: a row for the ranks on one
+    host with one kind of device and backend, their devices' numbers as ranges ('cuda:0-7'),
+    and where every rank's own row is (``%dist_status``)."""
+    from ..table import format_table
+
+    alike: dict[tuple, list[RankInfo]] = {}
+    for r in ranks:
+        alike.setdefault((r.host, r.device.partition(":")[0], r.backend), []).append(r)
+    rows = [
+        {
+            "ranks": rank_numbers(r.rank for r in same),
+            "host": host,
+            "device": _devices([r.device for r in same]),
+            "backend": backend,
+        }
+        for (host, _, backend), same in alike.items()
+    ]
+    table = format_table(("ranks", "host", "device", "backend"), rows)
+    return "\n".join([*table, "(every rank's pid and state: %dist_status)"])
+
+
+def _devices(devices: list[str]) -> str:
+    """One kind of device, said once: 'cpu', 'cuda:0-7'."""
+    kind = devices[0].partition(":")[0]
+    numbers = [d.partition(":")[2] for d in devices]
+    if not all(n.isdigit() for n in numbers):
+        return ", ".join(dict.fromkeys(devices))
+    return f"{kind}:{rank_numbers(int(n) for n in numbers)}"
 
 
 def rendezvous_port(processes: Processes, plan: ClusterPlan, asked=None) -> int:

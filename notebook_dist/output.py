@@ -90,7 +90,9 @@ class OutputStreamer:
 
     # ---- reading ----------------------------------------------------------------------
 
-    def poll(self) -> None:
+    def poll(self, whole: bool = False) -> None:
+        """Show what came; ``whole``: every line waiting to be folded goes now (a rank is to
+        ask the user something: what it printed before it asked shows before the prompt)."""
         for rank, md in self.sources:
             if not (md.get("stdout") or md.get("stderr") or md.get("outputs")):
                 continue  # nothing from this rank yet (most ranks of most cells)
@@ -101,7 +103,7 @@ class OutputStreamer:
             if md.get("outputs"):
                 self._flush()  # (a display comes after the lines written before it)
                 self.displays.relay(rank, md, self._put_display)
-        self._release(time.monotonic())
+        self._release(time.monotonic(), final=whole)
         self._flush()
 
     def _grown(self, rank: int, md: dict) -> list[tuple[str, int]]:

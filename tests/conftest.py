@@ -252,24 +252,15 @@ def kernel(tmp_path_factory):
         msg_id = kc.execute(code, allow_stdin=True)
         run.ids.append(msg_id)
         texts, prompts, error = [], [], None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                req = kc.get_stdin_msg(timeout=0.05)
-                prompts.append(req["content"]["prompt"])
-                time.sleep(answer_after_s)  # a person reading the prompt
-                kc.input(answers.pop(0) if answers else "c")
-            except queue.Empty:
-                pass
-            try:
-                msg = kc.get_iopub_msg(timeout=0.05)
-            except queue.Empty:
-                continue
+
+        def take(msg) -> bool:
+            """One output message of the cell's; True once the cell is over."""
+            nonlocal error
             c, kind = msg["content"], msg["msg_type"]
             if msg["parent_header"].get("msg_id") != msg_id:
                 if kind == "stream":
                     run.elsewhere.append((msg["parent_header"].get("msg_id"), c["name"], c["text"]))
-                continue
+                return False
             if kind == "stream":
                 texts.append(c["text"])
                 messages.append((kind, c["name"], c["text"], {}))
@@ -282,7 +273,31 @@ def kernel(tmp_path_factory):
                     texts.append(plain + "\n")
                 display_id = c.get("transient", {}).get("display_id")
                 messages.append((kind, display_id, plain, c["data"]))
-            elif kind == "status" and c["execution_state"] == "idle":
+            return kind == "status" and c["execution_state"] == "idle"
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                req = kc.get_stdin_msg(timeout=0.05)
+                # what the kernel sent before it asked is on its way on the other channel:
+                # taken first, so ``messages`` has the prompt where a person sees it
+                while True:
+                    try:
+                        if take(kc.get_iopub_msg(timeout=0.1)):
+                            raise AssertionError("the cell ended while it asked for input")
+                    except queue.Empty:
+                        break
+                prompts.append(req["content"]["prompt"])
+                messages.append(("input_request", None, req["content"]["prompt"], {}))
+                time.sleep(answer_after_s)  # a person reading the prompt
+                kc.input(answers.pop(0) if answers else "c")
+            except queue.Empty:
+                pass
+            try:
+                msg = kc.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if take(msg):
                 return "".join(texts), prompts, error
         raise AssertionError(f"no end within {timeout} s: {''.join(texts)[-2000:]}")
 

@@ -20,6 +20,30 @@ def test_breakpoint_on_one_rank_asks_the_notebook_while_the_other_waits(kernel):
     assert "[rank 0] 41" in out and "[rank 1] 42" in out.split("RankValues")[-1]
 
 
+def test_what_a_rank_printed_before_it_asked_shows_before_the_prompt_when_lines_fold(kernel):
+    """Folded lines (from DistConfig.fold_from_ranks ranks, as at 16 ranks; 2 here) wait a
+    moment for the other ranks' copies; the debugger's where-line, and what a p printed,
+    still come before the prompt that follows them, as a person reads them."""
+    config = "import notebook_dist.session as s\ns.current().config.fold_from_ranks = {}"
+    kernel(config.format(2))
+    messages = []
+    try:
+        out, prompts, error = kernel(
+            "%%distributed\nx = nd.rank + 41\nif nd.rank == 1:\n    breakpoint()\n"
+            "dist.barrier()\nx",
+            answers=["p x", "c"],
+            messages=messages,
+        )
+    finally:
+        kernel(config.format(4))
+    assert error is None and prompts == ["[rank 1] (Pdb) "] * 2, (out, prompts)
+    seen = [(kind, text) for kind, _, text, _ in messages if kind in ("stream", "input_request")]
+    asked = [i for i, (kind, _) in enumerate(seen) if kind == "input_request"]
+    before = "".join(text for _, text in seen[: asked[0]])
+    assert "[rank 1] > " in before and "<module>()" in before, seen
+    assert "[rank 1] 42" in "".join(text for _, text in seen[asked[0] : asked[1]]), seen
+
+
 def test_two_ranks_stopped_listed_switched_and_sent_one_command(kernel):
     out, prompts, error = kernel(
         "%%distributed\nx = nd.rank * 10\nbreakpoint()\ndist.barrier()",

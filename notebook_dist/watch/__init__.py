@@ -112,7 +112,7 @@ class CellWatch:
         rank at a prompt is not hung."""
         if self.interrupted or not self.progress.asking():
             return
-        self.streamer.poll()  # what the rank printed before it asked, first
+        self.streamer.poll(whole=True)  # what the ranks printed before it asked, first
         if self.on_update is not None:
             self.on_update(self.view())  # the dashboard shows who asks before the prompt
         self.console.serve(self.views)

@@ -43,6 +43,7 @@ class Console:
         self.answered: dict[int, int] = {}  # rank -> the last request id answered
         self.quit_by: int | None = None
         self.no_stdin = False
+        self.told = False  # the note on how to answer several ranks at once was said
 
     def waiting(self, views) -> dict[int, dict]:
         """Ranks that ask and have not been answered: rank -> what it asks."""
@@ -66,6 +67,12 @@ class Console:
         if self.current not in waiting:
             self.current = min(waiting)
         r = self.current
+        if len(waiting) > 1 and not self.told:  # (16 ranks at input(): 16 prompts otherwise)
+            self.told = True
+            self.say(
+                f"notebook_dist: {rank_list(waiting)} wait for a line; asking rank {r} first. "
+                ":all LINE answers every one, :ranks lists them."
+            )
         line = self._line(f"[rank {r}] {waiting[r]['prompt']}", waiting[r]["kind"])
         if line.startswith(":"):
             self._meta(line, waiting)

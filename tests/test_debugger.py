@@ -55,6 +55,8 @@ def test_two_ranks_stopped_listed_switched_and_sent_one_command(kernel):
     assert "rank 1: (Pdb) at Cell In[" in out
     assert "[rank 0] 1\n" in out and "[rank 1] 11\n" in out, out  # :all p x + 1
     assert "sent 'p x + 1' to ranks 0, 1." in out
+    assert out.count("notebook_dist: ranks 0, 1 wait for a line; asking rank ") == 1, out
+    assert out.count(":all LINE answers every one, :ranks lists them.") == 1, out
 
 
 def test_q_ends_the_cell_as_an_interrupt_does_and_every_rank_keeps_its_variables(kernel):

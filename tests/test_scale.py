@@ -95,18 +95,6 @@ def test_every_ranks_thousand_lines_arrive_whole_and_in_order(big):
         assert mine == [f"r{rank} line {i}" for i in range(1000)], (rank, len(mine))
 
 
-def test_a_dead_rank_is_named_among_many(big):
-    dead = big.world_size // 2 + 1
-    with pytest.raises(ClusterError) as got:
-        big.run(f"import os\nif nd.rank == {dead}:\n    os._exit(3)\ndist.barrier()\n")
-    said = str(got.value)
-    assert said.startswith(f"rank {dead} exited with code 3"), said
-    # what the others did, once for the ranks that did the same (not a sentence each)
-    assert said.count("failed when the connections closed") <= 1, said
-    assert said.count(" in barrier #1") <= 1, said
-    assert wait_until(lambda: set(big.dead_ranks()) == {dead}, 10), big.dead_ranks()
-
-
 def test_the_ranks_tracebacks_that_are_alike_show_once(big):
     """Every rank raises: one traceback for all, not one a rank; a message that names the rank
     keeps a line for each, under the lines they share."""
@@ -132,6 +120,18 @@ def test_the_ranks_tracebacks_that_are_alike_show_once(big):
         raw.raise_for_errors()
     shown = "\n".join(got.value._render_traceback_())
     assert shown.count("Traceback (most recent call last)") == n  # as they came, asked so
+
+
+def test_a_dead_rank_is_named_among_many(big):
+    dead = big.world_size // 2 + 1
+    with pytest.raises(ClusterError) as got:
+        big.run(f"import os\nif nd.rank == {dead}:\n    os._exit(3)\ndist.barrier()\n")
+    said = str(got.value)
+    assert said.startswith(f"rank {dead} exited with code 3"), said
+    # what the others did, once for the ranks that did the same (not a sentence each)
+    assert said.count("failed when the connections closed") <= 1, said
+    assert said.count(" in barrier #1") <= 1, said
+    assert wait_until(lambda: set(big.dead_ranks()) == {dead}, 10), big.dead_ranks()
 
 
 def test_the_benchmarks_floor_answers_from_every_bare_process_and_ends_them():

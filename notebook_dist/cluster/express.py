@@ -107,6 +107,14 @@ class Records(defaultdict):
             return _late_record(partial(late, msg_ids.index(msg_id)))
         return super().__missing__(msg_id)
 
+    def of(self, msg_id: str):
+        """The record of ``msg_id`` if it is kept; for a call forgotten, one that passes its
+        output on to where the call's late output goes; else None (none is made)."""
+        record = self.get(msg_id)
+        if record is None and msg_id.partition("-")[0] in self._forgotten:
+            record = self[msg_id]
+        return record
+
     def forget(self, msg_ids: list[str], late: Callable[[int, str, str], None] | None = None):
         """Drop the records of one express call's ``msg_ids``; output for the i-th that
         comes later is given to ``late(i, stream, text)``."""

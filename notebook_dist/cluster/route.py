@@ -15,7 +15,17 @@ import math
 import pickle
 import threading
 
-from ..runtime.lane import COUNTED, HELLO, REPLY, REPLY_HEAD, REQUEST, SNDMORE, received
+from ..runtime.lane import (
+    COUNTED,
+    HELLO,
+    IN_STDERR,
+    IN_STDOUT,
+    REPLY,
+    REPLY_HEAD,
+    REQUEST,
+    SNDMORE,
+    received,
+)
 from ..runtime.pipes import record
 from ..values import discard
 from .express import ExpressError, Records
@@ -24,14 +34,31 @@ from .relay import entries as relay_entries
 
 log = logging.getLogger("notebook_dist")
 
-#: a reply head's bytes (``runtime/lane.py``): ok, wrote, and frames as they are
+#: a reply head's bytes (``runtime/lane.py``): ok, wrote, and frames as they are; the rank's
+#: stdout or stderr in the reply
 _OK, _ONE, _FRAMES = ord("o"), ord("1"), ord("f")
+_IN_REPLY = {ord(IN_STDOUT): "stdout", ord(IN_STDERR): "stderr"}
 
 
 def _whole_ms(seconds: float) -> int:
     """A wait in whole milliseconds, rounded up: a wait's last fraction of one, rounded
     down to 0, spun the waiting loop about 36 times for each 50 ms a cell waited."""
     return math.ceil(seconds * 1000) if seconds > 0 else 0
+
+
+def _output_in_reply(records, msg_id: str, body):
+    """What follows a reply's head (``body``'s), past the rank's output if it came in the
+    reply (its length, then UTF-8): that is put in the call's record, as ipyparallel's IO
+    thread puts a message's."""
+    rest = body[REPLY_HEAD:]
+    stream = _IN_REPLY.get(body[33])
+    if stream is None:
+        return rest
+    size = int.from_bytes(rest[:4], "little")
+    record = records.of(msg_id)
+    if record is not None:
+        record[stream] = (record.get(stream) or "") + str(rest[4 : 4 + size], "utf-8", "replace")
+    return rest[4 + size :]
 
 
 class ExpressRoute:
@@ -83,8 +110,7 @@ class ExpressRoute:
             else:
                 relayed = [e for e in engines if e in via]
                 direct = [(e, m) for e, m in zip(engines, msg_ids) if e not in via]
-            sealed = None
-            piping = self.pipes.to if self.pipes is not None else {}
+            sealed, piping = None, (self.pipes.to if self.pipes is not None else {})
             counted, piped = self._piped_request(body, direct, piping, alone)
             for engine, msg_id in direct:
                 if engine in piping:
@@ -255,9 +281,10 @@ class ExpressRoute:
             return
         if kind != REPLY:
             return
-        # the body: the request's id, then a byte each (ok, wrote, how), then the value
-        reply = self.pending.pop(f"{str(body[:32], 'ascii')}-{engine}", None)
-        rest = body[REPLY_HEAD:]
+        # the body: the request's id, a byte each (ok, wrote, how), any output, the value
+        msg_id = f"{str(body[:32], 'ascii')}-{engine}"
+        reply = self.pending.pop(msg_id, None)
+        rest = _output_in_reply(self.records, msg_id, body)
         if reply is None:  # a call already given up on: what its rank wrote for it goes
             if body[34] == _FRAMES and body[32] == _OK:
                 discard([rest, *extra])

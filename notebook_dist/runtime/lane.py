@@ -31,7 +31,7 @@ import traceback
 from typing import Any
 
 from .pipes import reply_record
-from .streams import flush_written, written
+from .streams import flush_written, for_the_reply, rotations, taken, written
 
 #: the first byte of a sealed frame on the express route: a request, its reply, a hello
 REQUEST, REPLY, HELLO = b"Q", b"R", b"H"
@@ -301,26 +301,46 @@ def answer(kernel, body, send) -> None:
         "content": {},
     }
     kernel.set_parent([], parent, channel="shell")
-    wrote_before, sent_before = written(), _SENT[0]
+    wrote_before, sent_before, rotated = written(), _SENT[0], rotations()
     try:
         # Ctrl-C is a KeyboardInterrupt in the call, as the kernel's pre_handler_hook does,
         # without the signal module's enum conversions (a tenth of an empty cell's time)
         saved = _signal.signal(_signal.SIGINT, _signal.default_int_handler)
         try:
-            status, value = "ok", func(*args)
+            with for_the_reply():
+                status, value = "ok", func(*args)
         finally:
             _signal.signal(_signal.SIGINT, saved)
     except BaseException as exc:  # KeyboardInterrupt between the call and its reply too
         status, value = "error", _failure(exc)
-    flush_written(wrote_before)
-    wrote = written() != wrote_before or _SENT[0] != sent_before
+    # the output in the reply, when it can go there whole (no message of its own sent yet)
+    said = taken(rotated) if _SENT[0] == sent_before else None
+    if said is None:
+        flush_written(wrote_before)
+        wrote = b"1" if written() != wrote_before or _SENT[0] != sent_before else b"0"
+    else:
+        wrote, said = in_reply(*said)
     how, parts = _reply_frames(status, value)
-    head = b"".join(
-        (base.encode(), b"e" if status != "ok" or how == b"x" else b"o", b"%d" % wrote, how)
-    )
-    send(head + bytes(parts[0]), parts[1:])
-    if wrote:
+    head = b"".join((base.encode(), b"e" if status != "ok" or how == b"x" else b"o", wrote, how))
+    send(head + said + bytes(parts[0]) if said else head + bytes(parts[0]), parts[1:])
+    if wrote == b"1":
         kernel._publish_status("idle", "shell")  # the rank's output is complete
+
+
+#: a reply's wrote byte: nothing, output sent as messages (wait for 'idle'), or the text
+#: of stdout or of stderr in the reply, after its head: its length (4 bytes), then UTF-8
+WROTE_NOTHING, WROTE, IN_STDOUT, IN_STDERR = b"0", b"1", b"O", b"E"
+
+
+def in_reply(name: str, text: str) -> tuple[bytes, bytes]:
+    """The wrote byte and what goes after the reply's head for a call's output."""
+    if not text:
+        return WROTE_NOTHING, b""
+    try:  # (as the kernel's messages encode text: a lone surrogate reads as one U+FFFD)
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        data = text.encode("utf-8", "replace")
+    return IN_STDOUT if name == "stdout" else IN_STDERR, len(data).to_bytes(4, "little") + data
 
 
 #: [the engine's session, its Seal]: made at the first request

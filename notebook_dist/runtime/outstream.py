@@ -74,6 +74,38 @@ class RankOutStream(OutStream):
             self._schedule_flush()
         return len(string)
 
+    #: how often the IO thread took buffers with text in them (each is a message sent)
+    rotated = 0
+
+    def _rotate_buffers(self):
+        with self._buffer_lock:  # (reentrant: ipykernel's takes it again)
+            old = super()._rotate_buffers()
+            if any(buffer.tell() for buffer in old.values()):
+                self.rotated += 1
+        return old
+
+    def holding(self) -> bool:
+        """Whether text waits to be sent, for any parent."""
+        with self._buffer_lock:
+            return any(buffer.tell() for buffer in self._buffers.values())
+
+    def take(self, most: int) -> str | None:
+        """The text this stream holds, all of it for the request it writes for now (its
+        parent header, as :meth:`write` keys it), taken out: it is not sent. None (nothing taken) when some is another parent's, when it
+        is longer than ``most``, or when something transforms what is sent (an
+        ``ipywidgets.Output`` capturing the stream registers a hook), an echo or an
+        ipykernel without a buffer for each parent."""
+        if self._hooks or self.echo is not None or not hasattr(self, "_buffers"):
+            return None
+        parent, keyed = self.parent_header, self._keyed
+        key = keyed[1] if keyed[0] is parent else frozenset(parent.items())
+        with self._buffer_lock:
+            buffers = self._buffers
+            held = [k for k, buffer in buffers.items() if buffer.tell()]
+            if held != [key] or buffers[key].tell() > most:
+                return None
+            return buffers.pop(key).getvalue()
+
     def _setup_stream_redirects(self, name):
         self._prepare_watch()
         super()._setup_stream_redirects(name)

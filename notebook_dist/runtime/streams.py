@@ -13,6 +13,7 @@ Trainer's HTML progress bar) reach the notebook.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -40,6 +41,33 @@ def flush_written(before: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         if stream is not None and (_WRITES[0] != before or holds(stream)):
             stream.flush()
+
+
+#: at most this much of a call's output goes in its reply; more goes as ipykernel sends it
+IN_REPLY_MOST = 1 << 16
+
+
+def rotations() -> tuple[int, int]:
+    """How often stdout's and stderr's buffers were taken to be sent (-1: not a rank's)."""
+    return tuple(getattr(s, "rotated", -1) for s in (sys.stdout, sys.stderr))
+
+
+def taken(before: tuple[int, int]) -> tuple[str, str] | None:
+    """A call's output taken out of the streams, to go in its reply rather than as
+    messages of its own, which reach the notebook a hop and two threads later: (stream's
+    name, text), ("", "") for none; None when it goes as ipykernel sends it: some of it
+    was sent already (``before``: :func:`rotations` as the call began), both streams hold
+    some (their order is the messages'), or a stream cannot give it
+    (:meth:`~notebook_dist.runtime.outstream.RankOutStream.take`)."""
+    if -1 in before or rotations() != before:
+        return None
+    holding = [s for s in (sys.stdout, sys.stderr) if s.holding()]
+    if not holding:
+        return "", ""
+    if len(holding) > 1:
+        return None
+    text = holding[0].take(IN_REPLY_MOST)
+    return None if text is None else (holding[0].name, text)
 
 
 def keep_in_order() -> None:
@@ -121,13 +149,29 @@ def drain(timeout: float = 5.0) -> None:
     """What the cell wrote to its file descriptors (os.write, C libraries, subprocesses)
     in the streams, so it is this cell's output and not the next one's (a rank's streams,
     :class:`~notebook_dist.runtime.outstream.RankOutStream`, know when it is), then both
-    streams flushed."""
+    streams flushed; in a call on the express route, what they hold is left for its reply
+    to take or to flush (:func:`for_the_reply`)."""
     for stream in (sys.stdout, sys.stderr):
         settle = getattr(stream, "settle", None)
         if settle is not None:
             settle(timeout)
-        if holds(stream):
+        if holds(stream) and not _FOR_THE_REPLY[0]:
             stream.flush()
+
+
+#: whether a call on the express route runs (its reply takes its output, or flushes it)
+_FOR_THE_REPLY = [False]
+
+
+@contextlib.contextmanager
+def for_the_reply():
+    """While a call on the express route runs: :func:`drain` leaves the output for its
+    reply (``runtime/lane.py`` takes it with :func:`taken`, or flushes it)."""
+    _FOR_THE_REPLY[0] = True
+    try:
+        yield
+    finally:
+        _FOR_THE_REPLY[0] = False
 
 
 def adopt_streams() -> None:

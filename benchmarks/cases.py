@@ -864,7 +864,9 @@ def folded_output(reps: int, n: int = 8) -> dict:
     streams flush by a round trip to their IO thread, and what reaches the front end is
     messages), folded (the default from 4 ranks) against the same cell with
     ``--raw-output``, alternated: seconds from the request to the kernel's idle, and the
-    stream messages the front end got. Every line is checked to have come."""
+    stream messages the front end got. Every line is checked to have come. Then a cell that
+    prints one line on each rank against an empty cell, alternated (10 cells a kind a
+    round, their median)."""
     import tempfile
 
     from jupyter_client.manager import start_new_kernel
@@ -901,11 +903,22 @@ def folded_output(reps: int, n: int = 8) -> dict:
                 wall, messages, lines = run(f"%%distributed --no-dashboard{opt}\n{cell}")
                 assert lines == n * 1000, (how, lines)
                 got[how].append((wall, messages))
+        # a cell that prints a line on each rank against an empty one: the line comes in
+        # the rank's reply (what that saves is the notebook's wait for the rank's messages)
+        cells = {"line": "print('hello from', nd.rank)", "empty": "pass"}
+        for i in range(reps):
+            for how in ("line", "empty") if i % 2 == 0 else ("empty", "line"):
+                walls = []
+                for _ in range(10):
+                    wall, _, lines = run(f"%%distributed --no-dashboard\n{cells[how]}")
+                    assert lines == (n if how == "line" else 0), (how, lines)
+                    walls.append(wall)
+                got.setdefault(how, []).append(statistics.median(walls))
         run("%dist_shutdown")
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-    walls = {how: [w for w, _ in got[how]] for how in got}
+    walls = {how: [w for w, _ in got[how]] for how in ("folded", "raw")}
     return {
         "ranks": n,
         "folded_s": summarize(walls["folded"]),
@@ -913,6 +926,9 @@ def folded_output(reps: int, n: int = 8) -> dict:
         "folded_vs_raw": ratio(walls["folded"], walls["raw"]),
         "folded_messages": statistics.median(m for _, m in got["folded"]),
         "raw_messages": statistics.median(m for _, m in got["raw"]),
+        "line_s": summarize(got["line"]),
+        "empty_s": summarize(got["empty"]),
+        "line_vs_empty": ratio(got["line"], got["empty"]),
     }
 
 

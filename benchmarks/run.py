@@ -444,6 +444,12 @@ def main(argv=None) -> int:
             f"{_with_ci(o['folded_vs_raw'], 'pair_median')}; stream messages {o['folded_messages']:.0f} "
             f"and {o['raw_messages']:.0f}"
         )
+        if "line_vs_empty" in o:
+            print(
+                f"output: a cell printing a line on each rank {o['line_s']['median'] * 1e3:.1f} ms"
+                f" / an empty cell {o['empty_s']['median'] * 1e3:.1f} ms: "
+                f"{_with_ci(o['line_vs_empty'], 'pair_median')}"
+            )
     print(f"\nwritten to {args.out} ({results['total_s']:.0f} s)")
     return 0
 

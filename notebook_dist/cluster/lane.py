@@ -19,9 +19,9 @@ waiting for the replies, so a cell's request and its replies never pass through 
 thread of the notebook. A request is one pickled call by name, the same bytes for every
 rank (signed on the socket); a reply is the rank's packed frames
 and whether it wrote anything, so the notebook waits for a rank's 'idle' only after output
-(``runtime/lane.py`` says what the rank does). The output itself, the agents' snapshots and
-the 'idle' still come on ipyparallel's IOPub, into the client's metadata for the request,
-as for any request; :class:`~notebook_dist.cluster.express.ExpressResult` is what the
+(``runtime/lane.py`` says what the rank does). Output on one stream, none of it sent yet,
+comes in the reply itself; other output, the agents' snapshots and the 'idle' come on
+ipyparallel's IOPub, into the client's metadata for the request, as for any request; :class:`~notebook_dist.cluster.express.ExpressResult` is what the
 watch reads.
 
 An engine joins the lane the first time it is addressed (a call through the queue, then its

@@ -15,10 +15,12 @@ Two routes share the connection step:
   the HMAC of the kind, the body and any frames after it under the cluster's key, the
   body), with the reply's buffers, if any, as frames after it. A request is pickled and sealed once for every rank (each
   rank's message id is the request's with its own uuid); the reply is the function's
-  packed frames as they are, with a flag that says whether the rank wrote anything.
-  'idle' is published only then, so a cell that printed nothing costs one frame each way.
-  The output it does write is sent as before (IOPub, parented on the request's id), and
-  the notebook waits for its 'idle' exactly as for ipyparallel's.
+  packed frames as they are, with a byte that says whether the rank wrote anything. What
+  it wrote on one stream, none of it sent yet, goes in the reply after its head (up to
+  64 KiB: :func:`~notebook_dist.runtime.streams.taken`), and the notebook waits for
+  nothing more. Other output (both streams, a display, more) is sent as before (IOPub,
+  parented on the request's id), and 'idle' after it, which the notebook waits for
+  exactly as for ipyparallel's; a cell that printed nothing costs one frame each way.
 """
 
 from __future__ import annotations
@@ -314,16 +316,17 @@ def answer(kernel, body, send) -> None:
     except BaseException as exc:  # KeyboardInterrupt between the call and its reply too
         status, value = "error", _failure(exc)
     # the output in the reply, when it can go there whole (no message of its own sent yet)
-    said = taken(rotated) if _SENT[0] == sent_before else None
-    if said is None:
+    output = taken(rotated) if _SENT[0] == sent_before else None
+    if output is None:
         flush_written(wrote_before)
-        wrote = b"1" if written() != wrote_before or _SENT[0] != sent_before else b"0"
+        moved = written() != wrote_before or _SENT[0] != sent_before
+        wrote, said = (WROTE if moved else WROTE_NOTHING), b""
     else:
-        wrote, said = in_reply(*said)
+        wrote, said = in_reply(*output)
     how, parts = _reply_frames(status, value)
     head = b"".join((base.encode(), b"e" if status != "ok" or how == b"x" else b"o", wrote, how))
-    send(head + said + bytes(parts[0]) if said else head + bytes(parts[0]), parts[1:])
-    if wrote == b"1":
+    send(head + said + bytes(parts[0]), parts[1:])
+    if wrote == WROTE:
         kernel._publish_status("idle", "shell")  # the rank's output is complete
 
 

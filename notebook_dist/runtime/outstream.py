@@ -91,10 +91,10 @@ class RankOutStream(OutStream):
 
     def take(self, most: int) -> str | None:
         """The text this stream holds, all of it for the request it writes for now (its
-        parent header, as :meth:`write` keys it), taken out: it is not sent. None (nothing taken) when some is another parent's, when it
-        is longer than ``most``, or when something transforms what is sent (an
-        ``ipywidgets.Output`` capturing the stream registers a hook), an echo or an
-        ipykernel without a buffer for each parent."""
+        parent header, as :meth:`write` keys it), taken out: it is not sent. None, and
+        nothing taken, when some is another parent's, when it is longer than ``most``, or
+        when something transforms what is sent (an ``ipywidgets.Output`` capturing the
+        stream registers a hook), an echo, or an ipykernel without a buffer per parent."""
         if self._hooks or self.echo is not None or not hasattr(self, "_buffers"):
             return None
         parent, keyed = self.parent_header, self._keyed

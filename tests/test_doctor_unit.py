@@ -260,7 +260,8 @@ def test_at_sixteen_ranks_the_table_and_the_stacks_say_the_ranks_that_are_alike_
     """Rank 5 skips the all_reduce the 15 others wait in: the table has a row for the 15 (their
     waits a range) and one for rank 5, the stacks one copy for the 15; every rank's row on
     asking (DistConfig.dashboard_full_table)."""
-    stack = [frame(4), frame(3252, "all_reduce", "torch/distributed/distributed_c10d.py")]
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    stack = [frame(4), frame(3252, "all_reduce", c10d)]
     ranks = {
         r: running(rec(1, "all_reduce", 4, t0=990.0 - r / 10), stack=stack)
         for r in range(16)
@@ -280,6 +281,8 @@ def test_at_sixteen_ranks_the_table_and_the_stacks_say_the_ranks_that_are_alike_
     assert text.splitlines()[0] == "ranks 0-4, 6-15: in all_reduce #1", text
     assert text.count("in all_reduce #1") == 1 and text.count("line 4, in <module>") == 1, text
     assert text.splitlines()[-1] == "rank 5: finished the cell", text
+    # an installed package's frame from the package, not the whole site-packages path
+    assert "  torch/distributed/distributed_c10d.py, line 3252, in all_reduce" in text, text
     ended = {0: {"cell_state": "error"}, 1: {"cell_state": "error"}, 2: {}, 3: {"stack": []}}
     assert format_stacks(ended, CELL).splitlines() == [
         "ranks 0, 1: ended the cell with an error",

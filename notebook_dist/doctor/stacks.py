@@ -105,6 +105,13 @@ def format_stacks(snaps: dict[int, dict], cell_file: str | None = None) -> str:
     return "\n".join(rank_list(ranks) + text for text, ranks in alike.items())
 
 
+def _file(path: str) -> str:
+    """A frame's file as a stack shows it: an installed package's from the package
+    (torch/distributed/distributed_c10d.py), any other whole."""
+    short = short_file(path)
+    return short if "/" in short else path
+
+
 #: what a rank whose report has no stack is doing, by its cell's state
 _ENDED = {
     "done": "finished the cell",
@@ -133,7 +140,11 @@ def _stack_text(snap: dict, cell_file: str | None) -> str:
         if not f.get("file"):  # frames left out of a deep stack
             out.append(f"  {f['func']}")
             continue
-        where = f"line {f['line']}" if f["file"] == cell_file else f"{f['file']}, line {f['line']}"
+        where = (
+            f"line {f['line']}"
+            if f["file"] == cell_file
+            else f"{_file(f['file'])}, line {f['line']}"
+        )
         out.append(f"  {where}, in {f['func']}")
         if f.get("code"):
             out.append(f"    {f['code']}")

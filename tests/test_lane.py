@@ -408,6 +408,16 @@ def test_a_cells_output_comes_in_its_reply_when_it_can_and_as_messages_when_not(
         assert (out, err, waited) == ("", "", [False, False])
 
 
+def test_a_stream_of_an_ipykernel_without_a_buffer_per_parent_gives_nothing_to_the_reply():
+    """ipykernel before 7 keeps one buffer for every parent: the rank's stream says it may
+    hold text and takes none, so the output goes as that ipykernel sends it."""
+    from notebook_dist.runtime.outstream import RankOutStream
+
+    older = RankOutStream.__new__(RankOutStream)  # (no buffers, as an older ipykernel)
+    older.echo = None
+    assert older.holding() is True and older.take(1 << 16) is None
+
+
 def test_an_express_request_not_signed_with_the_clusters_key_is_not_run(tmp_path):
     """The rank runs an express request only under the cluster's key: the same request,
     signed with another key, does nothing (and signed right, it runs)."""

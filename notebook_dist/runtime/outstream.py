@@ -85,7 +85,10 @@ class RankOutStream(OutStream):
         return old
 
     def holding(self) -> bool:
-        """Whether text waits to be sent, for any parent."""
+        """Whether text waits to be sent, for any parent (True when it cannot be told: an
+        ipykernel without a buffer for each parent)."""
+        if not hasattr(self, "_buffers"):
+            return True
         with self._buffer_lock:
             return any(buffer.tell() for buffer in self._buffers.values())
 
@@ -95,7 +98,7 @@ class RankOutStream(OutStream):
         nothing taken, when some is another parent's, when it is longer than ``most``, or
         when something transforms what is sent (an ``ipywidgets.Output`` capturing the
         stream registers a hook), an echo, or an ipykernel without a buffer per parent."""
-        if self._hooks or self.echo is not None or not hasattr(self, "_buffers"):
+        if not hasattr(self, "_buffers") or getattr(self, "_hooks", None) or self.echo is not None:
             return None
         parent, keyed = self.parent_header, self._keyed
         key = keyed[1] if keyed[0] is parent else frozenset(parent.items())

@@ -6,7 +6,7 @@ what happened on the ranks instead of a traceback through notebook_dist itself.
 
 from __future__ import annotations
 
-from .phrases import each_rank, rank_list
+from .phrases import alike, each_rank, rank_list
 
 
 class NotebookDistError(Exception):
@@ -123,14 +123,11 @@ def _tracebacks(errors: dict[int, RemoteTraceback], fold: bool):
         for rank, err in errors.items():
             yield [f"[rank {rank}] {line}" for line in err.traceback.rstrip("\n").splitlines()]
         return
-    alike: dict[tuple[str, ...], dict[str, list[int]]] = {}  # the lines above -> last -> ranks
-    for rank, err in errors.items():
-        *above, last = err.traceback.rstrip("\n").splitlines() or [""]
-        alike.setdefault(tuple(above), {}).setdefault(last, []).append(rank)
-    for above, lasts in alike.items():
-        every = rank_list([r for ranks in lasts.values() for r in ranks])
-        yield [f"[{every}] {line}" for line in above] + [
-            f"[{rank_list(ranks)}] {last}" for last, ranks in lasts.items()
+    lines = {r: err.traceback.rstrip("\n").splitlines() or [""] for r, err in errors.items()}
+    for above, ranks in alike(lines, key=lambda r: tuple(lines[r][:-1])).items():
+        yield [f"[{rank_list(ranks)}] {line}" for line in above] + [
+            f"[{rank_list(same)}] {last}"
+            for last, same in alike(ranks, key=lambda r: lines[r][-1]).items()
         ]
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -23,6 +27,15 @@ def rank_numbers(ranks: Iterable[int]) -> str:
     return _runs(sorted(set(ranks)))
 
 
+def alike(items: Iterable[T], key: Callable[[T], K]) -> dict[K, list[T]]:
+    """The items that share a key, under it, the keys in the order they first come: how
+    every message that speaks of many ranks finds the ranks that read the same."""
+    groups: dict[K, list[T]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
+
+
 #: the first word of what one rank does, as several ranks do it
 _OF_MANY = {"is": "are", "was": "were", "waits": "wait", "runs": "run", "has": "have"}
 
@@ -39,12 +52,10 @@ def each_rank(
     ranks a verdict reads as one line per thing the ranks do, not one per rank. ``said``: a
     rank and its words as of one rank, and as of several where :func:`of_many` cannot make
     them."""
-    alike: dict[str, tuple[list[int], str]] = {}
-    for r, words, *of_several in said:
-        alike.setdefault(words, ([], of_several[0] if of_several else of_many(words)))[0].append(r)
     return sep.join(
-        f"{rank_list(ranks, one, many)}{between}{words if len(ranks) == 1 else several}"
-        for words, (ranks, several) in alike.items()
+        f"{rank_list([s[0] for s in same], one, many)}{between}"
+        + (words if len(same) == 1 else same[0][2] if len(same[0]) > 2 else of_many(words))
+        for words, same in alike(said, key=lambda s: s[1]).items()
     )
 
 

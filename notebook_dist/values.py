@@ -23,7 +23,7 @@ from typing import Any
 import cloudpickle
 
 from .errors import TransferError
-from .phrases import COMPACT_FROM, rank_list
+from .phrases import COMPACT_FROM, alike, rank_list
 
 SHM_MIN_BYTES = 1 << 20
 
@@ -368,10 +368,8 @@ class RankValues(Mapping):
         texts = [(r, repr(v)) for r, v in self._data.items()]
         if len(texts) < COMPACT_FROM:
             return [(rank_list([r]), text) for r, text in texts]
-        alike: dict[str, list[int]] = {}
-        for r, text in texts:
-            alike.setdefault(text, []).append(r)
-        return [(rank_list(ranks), text) for text, ranks in alike.items()]
+        same = alike(texts, key=lambda rt: rt[1])
+        return [(rank_list(r for r, _ in rts), text) for text, rts in same.items()]
 
 
 def _short_repr(v: Any, limit: int = 80) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import DistConfig, scheduling
 from ..errors import ClusterError
-from ..phrases import rank_numbers
+from ..phrases import alike, rank_numbers
 from ..plan import ClusterPlan
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import group as rt_group
@@ -36,9 +36,7 @@ def grouped_table(ranks: list[RankInfo]) -> str:
     and where every rank's own row is (``%dist_status``)."""
     from ..table import format_table
 
-    alike: dict[tuple, list[RankInfo]] = {}
-    for r in ranks:
-        alike.setdefault((r.host, r.device.partition(":")[0], r.backend), []).append(r)
+    same_kind = alike(ranks, key=lambda r: (r.host, r.device.partition(":")[0], r.backend))
     rows = [
         {
             "ranks": rank_numbers(r.rank for r in same),
@@ -46,7 +44,7 @@ def grouped_table(ranks: list[RankInfo]) -> str:
             "device": _devices([r.device for r in same]),
             "backend": backend,
         }
-        for (host, _, backend), same in alike.items()
+        for (host, _, backend), same in same_kind.items()
     ]
     table = format_table(("ranks", "host", "device", "backend"), rows)
     return "\n".join([*table, "(every rank's pid and state: %dist_status)"])

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..phrases import COMPACT_FROM, rank_numbers
+from ..phrases import COMPACT_FROM, alike, rank_numbers
 
 COLUMNS = ("rank", "state", "op", "shapes", "where", "waiting")
 
@@ -41,17 +41,18 @@ _WAITED = re.compile(r"(\d+(?:\.\d+)?) s")
 def alike_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row for the ranks whose rows read the same but for how long each has waited
     (which then reads as a range: '3.4-3.6 s'), in the order of their first rank."""
-    alike: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        waited = _WAITED.fullmatch(str(row.get("waiting", "")))
-        key = tuple(row.get(c, "") for c in COLUMNS[1:-1]) + (
-            "" if waited else row.get("waiting", ""),
-        )
-        alike.setdefault(key, []).append(row)
     return [
         {**same[0], "rank": rank_numbers(r["rank"] for r in same), "waiting": _waited(same)}
-        for same in alike.values()
+        for same in alike(rows, key=_but_the_wait).values()
     ]
+
+
+def _but_the_wait(row: dict[str, Any]) -> tuple:
+    """What a row says, but how long its rank has waited (a reason for waiting stays)."""
+    waiting = str(row.get("waiting", ""))
+    return tuple(row.get(c, "") for c in COLUMNS[1:-1]) + (
+        "" if _WAITED.fullmatch(waiting) else waiting,
+    )
 
 
 def _waited(rows: list[dict[str, Any]]) -> str:

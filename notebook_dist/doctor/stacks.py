@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..phrases import alike
 from .words import CELL_PREFIX, p2p_text, rank_list, short_file
 
 
@@ -99,10 +100,8 @@ def format_stacks(snaps: dict[int, dict], cell_file: str | None = None) -> str:
     """Every rank's main-thread stack, innermost last, cell frames as cell lines. Ranks whose
     stacks read the same are shown once under all their numbers ('ranks 0-4, 6-15: in
     all_reduce #1'): at 32 ranks a hang is a few stacks, not 32 copies of one."""
-    alike: dict[str, list[int]] = {}
-    for r in sorted(snaps):
-        alike.setdefault(_stack_text(snaps[r] or {}, cell_file), []).append(r)
-    return "\n".join(rank_list(ranks) + text for text, ranks in alike.items())
+    same = alike(sorted(snaps), key=lambda r: _stack_text(snaps[r] or {}, cell_file))
+    return "\n".join(rank_list(ranks) + text for text, ranks in same.items())
 
 
 def _file(path: str) -> str:

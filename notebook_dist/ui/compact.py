@@ -21,7 +21,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ..phrases import COMPACT_FROM, rank_list
+from ..phrases import COMPACT_FROM, alike, rank_list
 from .state import DashboardState, RankRow
 from .widget_colors import STATE_COLORS
 from .words import healed_text, progress_text
@@ -77,21 +77,21 @@ def _order(state: str) -> int:
 def groups(st: DashboardState) -> list[Group]:
     """The ranks grouped by (state, collective, straggler), most in need of a look first:
     dead, failed, hung and waiting ranks, then stragglers, then the rest by state."""
-    by_key: dict[tuple, Group] = {}
-    for r in st.ranks:
-        row = st.rows.get(r)
-        if row is None:
-            continue
-        key = (row.state, row.collective, row.straggler)
-        group = by_key.setdefault(key, Group(row.state, row.collective, row.straggler))
-        group.ranks.append(r)
-        if row.step is not None:
-            group.steps.append(float(row.step))
-            group.total = row.total
-    return sorted(
-        by_key.values(),
-        key=lambda g: (_order(g.state) if not g.straggler else -1, g.ranks[0]),
-    )
+    rows = [(r, row) for r in st.ranks if (row := st.rows.get(r)) is not None]
+    made = []
+    for key, same in alike(
+        rows, key=lambda rr: (rr[1].state, rr[1].collective, rr[1].straggler)
+    ).items():
+        stepped = [row for _, row in same if row.step is not None]
+        made.append(
+            Group(
+                *key,
+                ranks=[r for r, _ in same],
+                steps=[float(row.step) for row in stepped],
+                total=stepped[-1].total if stepped else None,
+            )
+        )
+    return sorted(made, key=lambda g: (_order(g.state) if not g.straggler else -1, g.ranks[0]))
 
 
 def compact(st: DashboardState) -> bool:

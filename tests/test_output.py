@@ -386,6 +386,51 @@ def test_progress_bars_and_rich_displays_say_their_rank(kernel):
         assert shown[html[0] - 1].get("text/plain") == f"[rank {r}]", shown
 
 
+@pytest.mark.slow
+def test_many_ranks_widget_bars_are_one_bar_for_the_ranks_alike(kernel):
+    """From 9 ranks, the ranks' tqdm.notebook bars that share a description are one widget
+    of the notebook's, saying how far the slowest rank is; the ranks make no widget (at 9
+    ranks there were 9 bars, and a comm message for each part of each, through the kernel)."""
+    out, _, error = kernel("%dist_shutdown\n%dist_init -n 9")
+    assert error is None, out
+    try:
+        messages: list = []
+        out, _, error = kernel(
+            "%%distributed --no-dashboard\nimport time\nfrom tqdm.notebook import tqdm\n"
+            "for _ in tqdm(range(6 + (nd.rank == 5) * 2), desc='train'):\n    time.sleep(0.2)\n"
+            "print('trained')",
+            messages=messages,
+        )
+        assert error is None, out
+        widgets = [
+            d for kind, _, _, d in messages if "application/vnd.jupyter.widget-view+json" in d
+        ]
+        assert len(widgets) == 1, widgets  # one bar for the nine
+        assert "trained" in out, out
+        # where the bar ended: every rank's last count, the bar full
+        out, _, error = kernel(
+            "from ipywidgets.widgets.widget import _instances\n"
+            "[tuple(c.value for c in w.children) for w in list(_instances.values())"
+            " if 'nd-bars' in getattr(w, '_dom_classes', ())]"
+        )
+        assert error is None, out
+        assert "('[ranks 0-8] train:', 1.0, '6/6 (ranks 0-4, 6-8), 8/8 (rank 5)')]" in out, out
+        # the same bar of the ranks, with --raw-output, is each rank's own
+        messages.clear()
+        out, _, error = kernel(
+            "%%distributed --no-dashboard --raw-output\nfrom tqdm.notebook import tqdm\n"
+            "for _ in tqdm(range(3), desc='train'):\n    pass",
+            messages=messages,
+        )
+        assert error is None, out
+        shown = [p for kind, _, p, d in messages if "application/vnd.jupyter.widget-view+json" in d]
+        assert (
+            sorted(shown) == sorted(p for p in shown if p.startswith("[rank ")) and len(shown) == 9
+        ), shown
+    finally:
+        kernel("%dist_shutdown\n%dist_init -n 2")
+
+
 RANK_STREAM = r"""
 import json, os, sys, time
 import zmq

@@ -122,6 +122,25 @@ def test_the_ranks_tracebacks_that_are_alike_show_once(big):
     assert shown.count("Traceback (most recent call last)") == n  # as they came, asked so
 
 
+def test_the_ranks_widget_bars_are_one_line_for_the_ranks_alike(big):
+    """tqdm.notebook bars on every rank: one line for the ranks whose bars share a
+    description, where they ended (outside a notebook: text, at the cell's end)."""
+    n, short = big.world_size, big.world_size // 2
+    out = io.StringIO()
+    big.run(
+        "from tqdm.notebook import tqdm\n"
+        "for _ in tqdm(range(5), desc='train'):\n    pass\n"
+        f"bar = tqdm(total=4, desc='eval')\nbar.update(2 if nd.rank == {short} else 4)\n"
+        "bar.close()\n",
+        out=out,
+    ).raise_for_errors()
+    others = ", ".join(f"{a}-{b}" for a, b in ((0, short - 1), (short + 1, n - 1)))
+    assert out.getvalue().splitlines() == [
+        f"[ranks 0-{n - 1}] train: 5/5",
+        f"[ranks 0-{n - 1}] eval: 4/4 (ranks {others}), 2/4 (rank {short})",
+    ], out.getvalue()
+
+
 def test_a_dead_rank_is_named_among_many(big):
     dead = big.world_size // 2 + 1
     with pytest.raises(ClusterError) as got:

@@ -24,8 +24,11 @@ from .ranks import remote_message
 from .recovery import regain_group
 
 
-def cell_request(prepared, gather, token, shm_dir, profile, check, argv, post_mortem) -> tuple:
-    """What a rank's ``runtime.cell.run_cell_request`` is sent: one tuple, options last."""
+def cell_request(
+    prepared, gather, token, shm_dir, profile, check, argv, post_mortem, group_bars=False
+) -> tuple:
+    """What a rank's ``runtime.cell.run_cell_request`` is sent: one tuple, options last;
+    ``group_bars``: the notebook shows the ranks' alike widget bars as one."""
     options = {
         "profile": profile,
         "check_collectives": check,
@@ -33,6 +36,8 @@ def cell_request(prepared, gather, token, shm_dir, profile, check, argv, post_mo
         "post_mortem": post_mortem,
         **workspace(),
     }
+    if group_bars:
+        options["group_bars"] = True
     p = prepared
     return (
         p.code,
@@ -100,11 +105,11 @@ def run(
     gather = list(gather)
     regain_group(cluster, out)  # when the last rebuild failed, or it broke between cells
     how_profiled, offsets = _profiling(cluster, selected) if profile else (None, {})
-    t0 = time.perf_counter()
-    token = uuid.uuid4().hex
+    t0, token = time.perf_counter(), uuid.uuid4().hex
     check = cluster.config.check_collectives if check_collectives is None else check_collectives
+    bars = _grouped_bars(cluster, selected, raw_output, out)
     request = cell_request(
-        prepared, gather, token, cluster.shm_dir, how_profiled, check, argv, post_mortem
+        prepared, gather, token, cluster.shm_dir, how_profiled, check, argv, post_mortem, bars.on
     )
     ar = _send(cluster, selected, rt_cell.run_cell_request, request)
     watch = cluster.last_watch = CellWatch(
@@ -115,13 +120,16 @@ def run(
         out,
         err,
         cluster.config.hang_after_s if hang_after is None else hang_after,
-        on_update,
+        bars.following(on_update),
         token=token,
         hang_action=on_hang,
         raw_output=raw_output,
         answers=answers,
     )
-    watch.run_to_end()
+    try:
+        watch.run_to_end()
+    finally:
+        bars.finish(watch.views)
     if any(v.status == "dead" for v in watch.views.values()):
         _ended_ranks(cluster, watch)
     results = [watch.views[r].result for r in selected]
@@ -132,6 +140,16 @@ def run(
     if not result.errors and not watch.released and len(selected) == cluster.world_size:
         cluster.history.append(prepared)
     return result
+
+
+def _grouped_bars(cluster, selected: list[int], raw_output: bool, out):
+    """The cell's ranks' alike widget bars shown as one, from ``phrases.COMPACT_FROM``
+    ranks (``ui/bars.py``; off: each rank shows its own)."""
+    from ..ui import widgets_available
+    from ..ui.bars import GroupedBars, grouping
+
+    on = grouping(len(selected), raw_output, cluster.config.fold_from_ranks)
+    return GroupedBars(out, on and widgets_available(), on)
 
 
 def _send(cluster, selected: list[int], func, *args):

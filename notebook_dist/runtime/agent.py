@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from .bars import bar_states
 from .devices import gpu_state
 from .state import STATE, rank_file
 from .tracker import CELL_PREFIX, TRACKER, is_tool_frame
@@ -190,7 +191,7 @@ def gpu_wait(now: float, nccl: dict[str, Any] | None) -> dict[str, Any] | None:
 #: the notebook reads, as every snapshot, with ``.get``
 OFTEN_EMPTY = frozenset(
     ("internal", "collective", "threads", "history", "p2p_pending", "stack")
-    + ("gpu", "gpu_wait", "metrics", "series", "asking")
+    + ("gpu", "gpu_wait", "metrics", "series", "asking", "bars")
 )
 
 
@@ -240,6 +241,7 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
         },
         "reports": STATE.reports,
         "asking": dict(STATE.asking) if STATE.asking else None,
+        "bars": bar_states(),  # (widget bars the notebook shows grouped: runtime/bars.py)
     }
 
 

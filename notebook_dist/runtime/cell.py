@@ -76,6 +76,7 @@ def run_cell(
     cwd: str | None = None,
     paths: list[str] | None = None,
     post_mortem: bool = False,
+    group_bars: bool = False,
 ) -> list:
     """Execute ``code`` in the rank's namespace; return ``pack(result)``.
 
@@ -87,10 +88,13 @@ def run_cell(
     would have (``--args``; none by default), so argparse takes its defaults. ``cwd`` and
     ``paths``: the notebook's folder and the import paths it added, followed here.
     ``post_mortem``: a rank that raises opens the debugger where it raised (``%pdb on``).
+    ``group_bars``: the notebook shows the ranks' alike widget bars as one
+    (``runtime/bars.py``).
     """
     follow(cwd, paths)
     _register_source(filename, source)
     prof = _begin(token, filename, profile, check_collectives)
+    STATE.group_bars = group_bars
     sys.argv = [filename, *(argv or ())]
     result: dict[str, Any] = {"rank": STATE.rank, "status": "ok", "has_value": False}
     ran = False

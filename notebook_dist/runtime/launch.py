@@ -111,6 +111,11 @@ def _set_start_method(method, force=False):
     return _originals["set_start_method"](method, force=force)
 
 
+def is_widget_bar(bar) -> bool:
+    """Whether ``bar`` is a ``tqdm.notebook`` bar (a widget), not a text bar."""
+    return any(c.__module__ == "tqdm.notebook" for c in type(bar).__mro__)
+
+
 def label_progress_bars() -> None:
     """A widget progress bar (``tqdm.notebook``, and ``tqdm.auto`` where it picks widgets)
     says its rank before its description, also when a framework sets the description
@@ -122,13 +127,15 @@ def label_progress_bars() -> None:
         return
     import tqdm.std
 
+    from . import bars
+
     cls = tqdm.std.tqdm
     init = _originals["tqdm_init"] = cls.__init__
     set_description = _originals["tqdm_set_description"] = cls.set_description
     set_description_str = _originals["tqdm_set_description_str"] = cls.set_description_str
 
     def label(bar, desc):
-        if not any(c.__module__ == "tqdm.notebook" for c in type(bar).__mro__):
+        if not is_widget_bar(bar) or bars.grouped():  # (a grouped bar is of many ranks)
             return desc
         return f"[rank {STATE.rank}] {desc}" if desc else f"[rank {STATE.rank}]"
 
@@ -137,7 +144,13 @@ def label_progress_bars() -> None:
             args = (args[0], label(self, args[1]), *args[2:])
         else:
             kwargs["desc"] = label(self, kwargs.get("desc"))
+        # (run inside tqdm.notebook's own __init__, before it makes its widgets)
+        quiet = is_widget_bar(self) and bars.grouped()
+        if quiet:  # no widget: the notebook draws it with the other ranks' alike bars
+            self.status_printer = bars.quiet_printer
         init(self, *args, **kwargs)
+        if quiet:
+            bars.keep(self)
 
     def labelled_set_description(self, desc=None, refresh=True):
         set_description(self, label(self, desc), refresh)

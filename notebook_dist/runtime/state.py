@@ -43,6 +43,10 @@ class RankState:
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     reports: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    #: whether the notebook shows this cell's widget bars grouped (``runtime/bars.py``),
+    #: and the bars the cell made so
+    group_bars: bool = False
+    bars: list = field(default_factory=list)
 
     def reset_cell(self, started: float, token: str = "", cell_file: str = "") -> None:
         self.cell_token = token
@@ -52,6 +56,7 @@ class RankState:
         self.metrics = {}
         self.series = {}
         self.reports = 0
+        self.bars = []
 
 
 STATE = RankState()

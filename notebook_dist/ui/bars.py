@@ -1,0 +1,168 @@
+"""The ranks' widget progress bars as one bar for the ranks whose bars share a
+description, from ``phrases.COMPACT_FROM`` ranks: ``[ranks 0-31] train`` and how far the
+slowest rank is, where 32 bars were a page (the ranks make no widget then:
+``runtime/bars.py``). Fed by the agents' snapshots (twice a second) and each rank's final
+one; drawn as a widget in a notebook, and as a line a group at the cell's end elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from ..phrases import COMPACT_FROM, alike, rank_list
+
+#: up to how many different counts a group's bar names with their ranks
+_KINDS_NAMED = 3
+
+
+def grouping(ranks: int, raw_output: bool, fold_from: int) -> bool:
+    """Whether a cell on ``ranks`` ranks shows its ranks' alike widget bars as one: from
+    ``COMPACT_FROM`` ranks, when its lines fold too (not ``--raw-output``)."""
+    return ranks >= COMPACT_FROM and not raw_output and 0 < fold_from <= ranks
+
+
+@dataclass
+class BarGroup:
+    """The ranks whose bar (the same one of each rank's, by its place and description)
+    is shown as one: their counts, totals and states ('danger', 'success', '')."""
+
+    desc: str
+    ranks: list[int] = field(default_factory=list)
+    counts: list[float] = field(default_factory=list)
+    totals: list[float | None] = field(default_factory=list)
+    states: list[str] = field(default_factory=list)
+
+    @property
+    def share(self) -> float:
+        """How far the slowest rank is, 0 to 1 (1 for bars without a total)."""
+        shares = [n / t if t else 1.0 for n, t in zip(self.counts, self.totals)]
+        return max(0.0, min(1.0, min(shares))) if shares else 0.0
+
+    @property
+    def state(self) -> str:
+        if "danger" in self.states:
+            return "danger"
+        return "success" if all(s == "success" for s in self.states) else ""
+
+    def label(self) -> str:
+        return f"[{rank_list(self.ranks)}] {self.desc}".rstrip()
+
+    def counts_text(self) -> str:
+        """Where the ranks' bars are: '20/20' (all alike), '10/10 (ranks 0-4, 6-8), 11/11
+        (rank 5)' (a few kinds), '12-15/20 (slowest: rank 5)' (many), '7 it' (no total)."""
+        said = [
+            (r, f"{_number(n)}/{_number(t)}" if t else f"{_number(n)} it")
+            for r, n, t in zip(self.ranks, self.counts, self.totals)
+        ]
+        kinds = alike(said, key=lambda s: s[1])
+        if len(kinds) == 1:
+            return said[0][1]
+        if len(kinds) <= _KINDS_NAMED:
+            return ", ".join(
+                f"{text} ({rank_list(r for r, _ in same)})" for text, same in kinds.items()
+            )
+        totals = [t for t in self.totals if t]
+        shares = [n / t if t else 1.0 for n, t in zip(self.counts, self.totals)]
+        slowest = [r for r, share in zip(self.ranks, shares) if share == min(shares)]
+        counts = f"{_number(min(self.counts))}-{_number(max(self.counts))}"
+        total = f"/{_number(max(totals))}" if totals else " it"
+        return f"{counts}{total} (slowest: {rank_list(slowest)})"
+
+    def text(self) -> str:
+        return f"{self.label()}: {self.counts_text()}"
+
+
+def groups_of(snaps: dict[int, dict]) -> list[BarGroup]:
+    """The ranks' bars (each snapshot's ``bars``), grouped by their place among the
+    rank's bars and their description, in the order they first come."""
+    entries = [
+        (i, r, bar)
+        for r, snap in sorted(snaps.items())
+        for i, bar in enumerate((snap or {}).get("bars") or ())
+    ]
+    out = []
+    for (_, desc), same in alike(entries, key=lambda e: (e[0], e[2][0])).items():
+        group = BarGroup(desc)
+        for _, r, (_, n, total, state) in same:
+            group.ranks.append(r)
+            group.counts.append(n)
+            group.totals.append(total)
+            group.states.append(state)
+        out.append(group)
+    return out
+
+
+def _number(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+class GroupedBars:
+    """The grouped bars of one cell: ``update`` at each look at the ranks, ``finish``
+    at its end. ``live``: drawn as widgets as the cell runs (a notebook); else one line
+    a group is written to ``out`` when it ends. Not ``on``: the ranks show their own."""
+
+    def __init__(self, out: TextIO | None, live: bool, on: bool = True):
+        self.out, self.live, self.on = out, live, on
+        self.shown: dict[tuple[int, str], object] = {}  # a group's widget, by its key
+        self.last: list[BarGroup] = []
+
+    def update(self, views: dict) -> None:
+        snaps = {r: v.snap for r, v in views.items()}
+        if not self.last and not any(snap.get("bars") for snap in snaps.values()):
+            return  # (most cells make no bar: a look at each rank, no more)
+        self.last = groups_of(snaps)
+        if self.live:
+            for i, group in enumerate(self.last):
+                self._draw((i, group.desc), group)
+
+    def following(self, on_update):
+        """A watch's ``on_update`` that updates the bars, then calls ``on_update``."""
+        if not self.on:
+            return on_update
+
+        def updated(view) -> None:
+            self.update(view.views)
+            if on_update is not None:
+                on_update(view)
+
+        return updated
+
+    def finish(self, views: dict) -> None:
+        if not self.on:
+            return
+        self.update(views)
+        if self.live or not self.last:
+            return
+        import sys
+
+        out = self.out or sys.stdout
+        out.write("".join(group.text() + "\n" for group in self.last))
+        out.flush()
+
+    def _draw(self, key: tuple[int, str], group: BarGroup) -> None:
+        import ipywidgets as w
+
+        shown = self.shown.get(key)
+        new = shown is None
+        if new:
+            bar = w.FloatProgress(min=0.0, max=1.0)
+            shown = self.shown[key] = w.HBox(
+                [w.HTML(), bar, w.HTML()], layout=w.Layout(display="inline-flex")
+            )
+            shown.add_class("nd-bars")
+        left, bar, right = shown.children
+        _set(left, "value", group.label() + ":")
+        _set(bar, "value", group.share)
+        _set(bar, "bar_style", group.state)
+        _set(right, "value", group.counts_text())
+        if new:  # (drawn as it is: its text form says it too)
+            from IPython.display import display
+
+            display(shown)
+
+
+def _set(widget, name: str, value) -> None:
+    """Set a widget's trait only when it changes (each change is a message)."""
+    if getattr(widget, name) != value:
+        setattr(widget, name, value)

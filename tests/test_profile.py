@@ -410,6 +410,29 @@ def test_gpu_ranks_also_show_exposed_communication():
     assert "exposed" not in cpu.text()
 
 
+def test_at_sixteen_ranks_the_table_names_the_ranks_at_either_end_and_one_row_the_rest():
+    """Rank 5 arrives 50 ms late at each all_reduce of 16 ranks: the table names it (most
+    compute, waits least) and the rank that waits most, and gives the 14 others one row of
+    ranges; the timeline draws their two lanes. full=True gives every rank its row."""
+    n = 16
+    every = [
+        tuple(i * 60 * MS + (50 * MS if r == 5 else r * MS // 10) for r in range(n))
+        for i in range(20)
+    ]
+    p = analyze({r: _rank(r, every) for r in range(n)}, {}, "Cell In[4]")
+    lines = p.text().splitlines()
+    table = lines[1 : lines.index("")]
+    assert [row.split()[0] for row in table] == ["rank", "0", "5", "1-4,", "(every"], table
+    assert table[2].endswith("most compute, waits least") and table[1].endswith("waits most")
+    assert table[3].endswith("the others") and "0.970-0.998 s" in table[3], table
+    full = p.text(full=True).splitlines()
+    assert len(full[1 : full.index("")]) == n + 1
+    svg = p.timeline_svg()
+    assert [f">rank {r}<" in svg for r in (0, 5, 1)] == [True, True, False], svg
+    assert "the other 14 ranks' lanes: in the trace" in svg
+    assert p._repr_html_().count("<tr>") == 3 + 1 + 2  # the ranks' rows, the op's, heads
+
+
 def test_a_profile_without_the_flight_recorder_gives_no_verdict():
     every = [(i * 60 * MS, i * 60 * MS + 50 * MS) for i in range(5)]
     blind = {

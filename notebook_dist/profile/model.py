@@ -81,12 +81,15 @@ class Profile:
             self.trace_events = []
         return self.trace_path
 
-    def text(self) -> str:
+    def text(self, full: bool = False) -> str:
+        """The tables and the finding; from ``phrases.COMPACT_FROM`` ranks the rank table
+        names the ranks at either end and gives the others one row, unless ``full``."""
         from .view import text
 
-        return text(self)
+        return text(self, full)
 
-    __repr__ = text
+    def __repr__(self) -> str:
+        return self.text()
 
     def _repr_html_(self) -> str:
         from .view import html_of

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import html
 
+from ..phrases import COMPACT_FROM, rank_numbers
 from ..phrases import size_text as bytes_text
 from ..table import format_table
+
+#: what makes a rank one of those a compact table names, and how its row says so
+_ENDS = (
+    ("compute_s", max, "most compute"),
+    ("compute_s", min, "least compute"),
+    ("waiting_s", max, "waits most"),
+    ("waiting_s", min, "waits least"),
+)
 
 
 def rank_columns(p) -> tuple[str, ...]:
@@ -28,11 +37,55 @@ def rank_cells(p, r) -> tuple:
     return cells + (secs(r.exposed_s),) if p.cuda else cells
 
 
-def text(p) -> str:
-    lines = [f"profile of {p.cell} on {len(p.world)} ranks"]
+def compact(p, full: bool = False) -> bool:
+    """Whether the rank table names a few ranks and gives the others one row (from
+    ``phrases.COMPACT_FROM`` ranks, unless ``full``)."""
+    return not full and len(p.ranks) >= COMPACT_FROM
+
+
+def ends(p) -> dict[int, str]:
+    """The ranks a compact table names, each with why: the ranks at either end of compute
+    and of waiting for peers (the one the others wait for computes most and waits least)."""
+    times = list(p.ranks.values())
+    why: dict[int, list[str]] = {}
+    for name, pick, said in _ENDS:
+        if p.unrecorded and name == "waiting_s":
+            continue  # (not known)
+        why.setdefault(pick(times, key=lambda t: getattr(t, name)).rank, []).append(said)
+    return {r: ", ".join(words) for r, words in sorted(why.items())}
+
+
+def table_rows(p, full: bool = False) -> tuple[tuple[str, ...], list[tuple]]:
+    """The rank table's columns and rows: a row a rank; or, compact, a row for each rank
+    :func:`ends` names and one for all the others, each column as a range ('1.20-1.25 s')."""
     cols = rank_columns(p)
-    rows = [dict(zip(cols, rank_cells(p, r))) for r in p.ranks.values()]
-    lines += format_table(cols, rows)
+    if not compact(p, full):
+        return cols, [rank_cells(p, r) for r in p.ranks.values()]
+    named = ends(p)
+    rows = [(*rank_cells(p, p.ranks[r]), why) for r, why in named.items()]
+    others = [t for r, t in p.ranks.items() if r not in named]
+    if others:
+        cells = list(zip(*(rank_cells(p, t) for t in others)))[1:]
+        rows.append((rank_numbers(t.rank for t in others), *map(_span, cells), "the others"))
+    return (*cols, ""), rows
+
+
+def _span(column: tuple[str, ...]) -> str:
+    """A column's values ('1.234 s', or '?') as one: '1.201-1.305 s'."""
+    values = sorted({float(v.split()[0]) for v in column if v != "?"})
+    if not values:
+        return "?"
+    if len(values) == 1:
+        return f"{values[0]:.3f} s"
+    return f"{values[0]:.3f}-{values[-1]:.3f} s"
+
+
+def text(p, full: bool = False) -> str:
+    lines = [f"profile of {p.cell} on {len(p.world)} ranks"]
+    cols, cells = table_rows(p, full)
+    lines += format_table(cols, [dict(zip(cols, row)) for row in cells])
+    if compact(p, full):
+        lines.append("(every rank's row: profile.text(full=True))")
     if p.ops:
         lines.append("")
         lines += format_table(
@@ -67,7 +120,7 @@ def html_of(p) -> str:
         )
         return f"<table style='font-size:12px;border-collapse:collapse'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-    ranks = table(rank_columns(p), [rank_cells(p, r) for r in p.ranks.values()])
+    ranks = table(*table_rows(p))
     ops = table(
         ("op", "count", "size", "mean time", "algbw", "busbw"),
         [
@@ -107,7 +160,11 @@ def timeline_svg(p, width: int = 640) -> str:
     colors = {"compute": "#42a5f5", "collective": "#8e24aa", "waiting": "#fb8c00"}
     parts = []
     y = 22
-    for rank, lanes in sorted(p.lanes.items()):
+    shown = ends(p) if compact(p) else p.lanes  # (at many ranks: those the table names)
+    others = (
+        f" · the other {len(p.lanes) - len(shown)} ranks' lanes: in the trace" if compact(p) else ""
+    )
+    for rank, lanes in sorted((r, lanes) for r, lanes in p.lanes.items() if r in shown):
         parts.append(f"<text x='0' y='{y + lane_h - 3}' font-size='11'>rank {rank}</text>")
         for kind in ("compute", "collective", "waiting"):
             for s, e in _coalesce(lanes.get(kind, []), 1 / scale):
@@ -130,7 +187,7 @@ def timeline_svg(p, width: int = 640) -> str:
     )
     return (
         f"<svg xmlns='http://www.w3.org/2000/svg' class='nd-timeline' width='{width}' height='{y + 20}'>"
-        f"<text x='0' y='12' font-size='11' fill='#777'>timeline, {p.span_s:.3f} s</text>"
+        f"<text x='0' y='12' font-size='11' fill='#777'>timeline, {p.span_s:.3f} s{others}</text>"
         + "".join(parts)
         + legend
         + "</svg>"

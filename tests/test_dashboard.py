@@ -53,6 +53,23 @@ def test_state_follows_a_real_cell(live):
     assert any(s.rows[0].state in ("running", "in collective") for s in rec.states)
 
 
+def test_a_cells_progress_bar_is_its_ranks_progress_when_it_reports_none(live):
+    """A training loop under tqdm, no nd.report: the dashboard's progress is the bar's,
+    live and at the end; a bar to a file of the user's counts too, the open one first."""
+    rec = Recorder()
+    feed = DashboardFeed(rec, hz=4)
+    result = live.run(
+        "import time\nfrom tqdm import tqdm\nfor _ in tqdm(range(12), desc='train'):\n"
+        "    time.sleep(0.1)\n",
+        on_update=feed,
+    )
+    feed.close(live.last_watch)
+    assert not result.errors
+    assert [(row.step, row.total) for row in rec.closed.rows.values()] == [(12, 12)] * 2
+    midway = [row.step for st in rec.states for row in st.rows.values() if row.step]
+    assert any(0 < step < 12 for step in midway), midway
+
+
 class DummyComm(BaseComm):
     log: list = []
 

@@ -122,22 +122,24 @@ def test_the_ranks_tracebacks_that_are_alike_show_once(big):
     assert shown.count("Traceback (most recent call last)") == n  # as they came, asked so
 
 
-def test_the_ranks_widget_bars_are_one_line_for_the_ranks_alike(big):
-    """tqdm.notebook bars on every rank: one line for the ranks whose bars share a
-    description, where they ended (outside a notebook: text, at the cell's end)."""
+def test_the_ranks_progress_bars_are_one_line_for_the_ranks_alike(big):
+    """tqdm's widget and text bars on every rank: one line for the ranks whose bars share a
+    description, where they ended (outside a notebook: text, at the cell's end); each
+    rank's text bar was a line of its own, never folded (its rate and time its own)."""
     n, short = big.world_size, big.world_size // 2
     out = io.StringIO()
     big.run(
-        "from tqdm.notebook import tqdm\n"
+        "from tqdm.notebook import tqdm\nfrom tqdm import tqdm as text_tqdm\n"
         "for _ in tqdm(range(5), desc='train'):\n    pass\n"
         f"bar = tqdm(total=4, desc='eval')\nbar.update(2 if nd.rank == {short} else 4)\n"
-        "bar.close()\n",
+        "bar.close()\nfor _ in text_tqdm(range(3), desc='test'):\n    pass\n",
         out=out,
     ).raise_for_errors()
     others = ", ".join(f"{a}-{b}" for a, b in ((0, short - 1), (short + 1, n - 1)))
     assert out.getvalue().splitlines() == [
         f"[ranks 0-{n - 1}] train: 5/5",
         f"[ranks 0-{n - 1}] eval: 4/4 (ranks {others}), 2/4 (rank {short})",
+        f"[ranks 0-{n - 1}] test: 3/3",
     ], out.getvalue()
 
 

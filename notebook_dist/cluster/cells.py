@@ -28,7 +28,7 @@ def cell_request(
     prepared, gather, token, shm_dir, profile, check, argv, post_mortem, group_bars=False
 ) -> tuple:
     """What a rank's ``runtime.cell.run_cell_request`` is sent: one tuple, options last;
-    ``group_bars``: the notebook shows the ranks' alike widget bars as one."""
+    ``group_bars``: the notebook shows the ranks' alike progress bars as one."""
     options = {
         "profile": profile,
         "check_collectives": check,
@@ -143,7 +143,7 @@ def run(
 
 
 def _grouped_bars(cluster, selected: list[int], raw_output: bool, out):
-    """The cell's ranks' alike widget bars shown as one, from ``phrases.COMPACT_FROM``
+    """The cell's ranks' alike progress bars shown as one, from ``phrases.COMPACT_FROM``
     ranks (``ui/bars.py``; off: each rank shows its own)."""
     from ..ui import widgets_available
     from ..ui.bars import GroupedBars, grouping

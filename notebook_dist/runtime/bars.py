@@ -1,14 +1,18 @@
-"""A rank's widget progress bars (``tqdm.notebook``) when the notebook shows the ranks'
-alike bars as one (from ``phrases.COMPACT_FROM`` ranks): the bar counts as usual but makes
-no widget, and its state rides in the agent's snapshots (``bars``), which the notebook
-draws as one bar for the ranks whose bars share a description (``notebook_dist.bars``).
+"""A rank's progress bars (tqdm's, text and widget): each one's count rides in the
+agent's snapshots (``bars``), where the dashboard reads a rank's progress when the cell
+reports none itself (``nd.report(step=...)``). From ``phrases.COMPACT_FROM`` ranks the
+notebook shows the ranks' alike bars as one (``notebook_dist/ui/bars.py``): a bar then
+counts as usual and shows nothing on the rank, a widget bar making no widget, a text bar
+writing nowhere.
 
 At 32 ranks, 32 widget bars were a page of bars and, for 16 bars of 5 steps, 179 comm
-messages through the notebook's kernel; now no widget leaves a rank.
+messages through the notebook's kernel; 32 text bars were 32 lines that never fold (each
+its own rate and time).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .state import STATE
@@ -52,24 +56,61 @@ def quiet_printer(_fp=None, total=None, desc=None, ncols=None) -> QuietBar:
 
 
 def grouped() -> bool:
-    """Whether this cell's widget bars are shown grouped by the notebook (the cell's
-    request says so)."""
+    """Whether this cell's bars are shown grouped by the notebook (its request says so)."""
     return STATE.group_bars
 
 
-def keep(bar) -> None:
-    """A grouped bar made in this cell, for the snapshots to carry."""
-    STATE.bars.append(bar)
+class _Nowhere:
+    """Where a grouped text bar writes: nowhere (the notebook draws it)."""
+
+    def write(self, _text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+NOWHERE = _Nowhere()
+
+
+def quieted(bar, widget: bool, args: tuple, kwargs: dict) -> bool:
+    """Make ``bar`` (about to be made) show nothing when this cell's bars are grouped: a
+    widget bar makes no widget, a text bar to the rank's streams writes nowhere (one to a
+    file of the user's writes there). Whether it was."""
+    if not grouped():
+        return False
+    if widget:
+        bar.status_printer = quiet_printer
+        return True
+    if len(args) > 4 or kwargs.get("file") not in (None, sys.stdout, sys.stderr):
+        return False  # (its file given: the user's log, say)
+    kwargs["file"] = NOWHERE
+    return True
+
+
+def keep(bar, quiet: bool) -> None:
+    """A bar made in this cell, for the snapshots to carry (one made disabled counts
+    nothing: left out)."""
+    if not getattr(bar, "disable", True):
+        STATE.bars.append((bar, quiet))
 
 
 def bar_states() -> list[list] | None:
-    """Each grouped bar of this cell as ``[description, n, total, state]``, in the order
-    they were made (None: none)."""
+    """Each bar of this cell as ``[description, n, total, state, grouped]``, in the order
+    they were made (None: none); state: 'danger' (closed short of its total, or stopped by
+    an error), 'success' (closed whole) or '' (open)."""
     if not STATE.bars:
         return None
+    label = f"[rank {STATE.rank}] "
     out = []
-    for bar in list(STATE.bars):
-        container = getattr(bar, "container", None)
-        state = container.state if isinstance(container, QuietBar) else ""
-        out.append([str(bar.desc or ""), bar.n, bar.total, state])
+    for bar, quiet in list(STATE.bars):
+        container = getattr(bar, "container", None)  # (a widget bar's, or its stand-in)
+        if container is not None:
+            state = container.children[1].bar_style
+        elif bar.disable:  # (a text bar: closed)
+            state = "danger" if bar.total and bar.n < bar.total else "success"
+        else:
+            state = ""
+        desc = str(bar.desc or "").removeprefix(label).removeprefix(label.rstrip())
+        out.append([desc, bar.n, bar.total, state or "", quiet])
     return out

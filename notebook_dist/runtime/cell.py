@@ -88,7 +88,7 @@ def run_cell(
     would have (``--args``; none by default), so argparse takes its defaults. ``cwd`` and
     ``paths``: the notebook's folder and the import paths it added, followed here.
     ``post_mortem``: a rank that raises opens the debugger where it raised (``%pdb on``).
-    ``group_bars``: the notebook shows the ranks' alike widget bars as one
+    ``group_bars``: the notebook shows the ranks' alike progress bars as one
     (``runtime/bars.py``).
     """
     follow(cwd, paths)

@@ -120,7 +120,9 @@ def label_progress_bars() -> None:
     """A widget progress bar (``tqdm.notebook``, and ``tqdm.auto`` where it picks widgets)
     says its rank before its description, also when a framework sets the description
     later (Lightning's "Epoch 0"). A text bar is a line of the rank's stream, which the
-    notebook already shows as the rank's: it is left as it is."""
+    notebook already shows as the rank's: it is left as it is. Every bar's count rides in
+    the agent's snapshots (the dashboard's progress), and where the notebook shows the
+    ranks' alike bars as one, a bar shows nothing on the rank (``runtime/bars.py``)."""
     import importlib.util
 
     if "tqdm_init" in _originals or importlib.util.find_spec("tqdm") is None:
@@ -145,12 +147,9 @@ def label_progress_bars() -> None:
         else:
             kwargs["desc"] = label(self, kwargs.get("desc"))
         # (run inside tqdm.notebook's own __init__, before it makes its widgets)
-        quiet = is_widget_bar(self) and bars.grouped()
-        if quiet:  # no widget: the notebook draws it with the other ranks' alike bars
-            self.status_printer = bars.quiet_printer
+        quiet = bars.quieted(self, is_widget_bar(self), args, kwargs)
         init(self, *args, **kwargs)
-        if quiet:
-            bars.keep(self)
+        bars.keep(self, quiet)
 
     def labelled_set_description(self, desc=None, refresh=True):
         set_description(self, label(self, desc), refresh)

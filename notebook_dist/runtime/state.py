@@ -43,8 +43,8 @@ class RankState:
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     reports: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
-    #: whether the notebook shows this cell's widget bars grouped (``runtime/bars.py``),
-    #: and the bars the cell made so
+    #: whether the notebook shows this cell's progress bars grouped (``runtime/bars.py``),
+    #: and the bars the cell made (each with whether it shows nothing on the rank)
     group_bars: bool = False
     bars: list = field(default_factory=list)
 

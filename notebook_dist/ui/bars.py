@@ -1,7 +1,8 @@
-"""The ranks' widget progress bars as one bar for the ranks whose bars share a
-description, from ``phrases.COMPACT_FROM`` ranks: ``[ranks 0-31] train`` and how far the
-slowest rank is, where 32 bars were a page (the ranks make no widget then:
-``runtime/bars.py``). Fed by the agents' snapshots (twice a second) and each rank's final
+"""The ranks' progress bars (tqdm's widget and text bars) as one bar for the ranks whose
+bars share a description, from ``phrases.COMPACT_FROM`` ranks: ``[ranks 0-31] train`` and
+how far the slowest rank is, where 32 widget bars were a page, and 32 text bars 32 lines
+that never fold (each its own rate and time). The ranks' bars show nothing then
+(``runtime/bars.py``). Fed by the agents' snapshots (twice a second) and each rank's final
 one; drawn as a widget in a notebook, and as a line a group at the cell's end elsewhere.
 """
 
@@ -17,7 +18,7 @@ _KINDS_NAMED = 3
 
 
 def grouping(ranks: int, raw_output: bool, fold_from: int) -> bool:
-    """Whether a cell on ``ranks`` ranks shows its ranks' alike widget bars as one: from
+    """Whether a cell on ``ranks`` ranks shows its ranks' alike bars as one: from
     ``COMPACT_FROM`` ranks, when its lines fold too (not ``--raw-output``)."""
     return ranks >= COMPACT_FROM and not raw_output and 0 < fold_from <= ranks
 
@@ -74,17 +75,18 @@ class BarGroup:
 
 
 def groups_of(snaps: dict[int, dict]) -> list[BarGroup]:
-    """The ranks' bars (each snapshot's ``bars``), grouped by their place among the
-    rank's bars and their description, in the order they first come."""
+    """The ranks' grouped bars (in each snapshot's ``bars``, those that showed nothing on
+    the rank), grouped by their place among the rank's and their description, in the
+    order they first come."""
     entries = [
         (i, r, bar)
         for r, snap in sorted(snaps.items())
-        for i, bar in enumerate((snap or {}).get("bars") or ())
+        for i, bar in enumerate(b for b in (snap or {}).get("bars") or () if b[4])
     ]
     out = []
     for (_, desc), same in alike(entries, key=lambda e: (e[0], e[2][0])).items():
         group = BarGroup(desc)
-        for _, r, (_, n, total, state) in same:
+        for _, r, (_, n, total, state, _) in same:
             group.ranks.append(r)
             group.counts.append(n)
             group.totals.append(total)

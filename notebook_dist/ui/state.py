@@ -140,6 +140,8 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
         row.metrics = metrics
         row.step = metrics.get("step")
         row.total = metrics.get("total")
+        if row.step is None:  # no nd.report(step=...): the rank's progress bar, if it has one
+            row.step, row.total = bar_progress(snap.get("bars"))
         series = snap.get("series") or {}
         key = chart_metric if chart_metric in series else next(iter(series), None)
         row.chart_key = key
@@ -162,6 +164,16 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
             row.straggler = bool(row.step_time_s and row.step_time_s > STRAGGLER_RATIO * median)
     st.throughput = samples_rate if any_samples else None
     return st
+
+
+def bar_progress(bars: list | None) -> tuple[float | None, float | None]:
+    """(count, total) of a rank's progress bar (tqdm) in its snapshot: the last one still
+    open, else the last one; (None, None) for none."""
+    if not bars:
+        return None, None
+    open_ = [b for b in bars if not b[3]]
+    desc, n, total, *_ = (open_ or bars)[-1]
+    return n, total
 
 
 def cluster_state(cluster, rows: list[dict] | None = None, title: str = "") -> DashboardState:

@@ -3,10 +3,15 @@ or ``input()`` on a rank, asked of the user through the kernel's own stdin, as `
 in an ordinary cell is (JupyterLab's input box), with the rank in the prompt:
 ``[rank 1] (Pdb) ``. The answer goes to the rank's answer file, on its host.
 
+From ``phrases.COMPACT_FROM`` ranks, the ranks stopped alike (the same prompt at the same
+line) are asked once, ``[ranks 0-15] (Pdb) ``, and the line goes to each of them (their
+output folds as their lines do): at 16 ranks one prompt, not 16. The console waits up to
+``GATHER_S`` for the other ranks to stop too before it asks.
+
 When several ranks are stopped at once, a line that starts with ``:`` is the console's:
 
 - ``:ranks`` lists the stopped ranks with where each is;
-- ``:rank N`` switches to rank N;
+- ``:rank N`` switches to rank N (asked alone until it runs on);
 - ``:all CMD`` sends CMD to every stopped rank, ``:on 0,2 CMD`` to those ranks.
 
 ``q`` (or ``quit``) in a debugger ends the cell as an interrupt does: the other ranks are
@@ -17,10 +22,14 @@ with no stdin) gets ``c`` (continue) sent for it, and one note.
 from __future__ import annotations
 
 import builtins
+import time
 from collections.abc import Callable
 
-from .phrases import rank_list
+from .phrases import COMPACT_FROM, alike, rank_list
 
+#: how long the console waits for the other ranks to stop too, before it asks those
+#: stopped alike (a cell on ``COMPACT_FROM`` ranks or more)
+GATHER_S = 0.5
 QUIT = ("q", "quit", "exit")
 #: commands after which a rank runs on: the console may turn to another rank
 GOES_ON = ("c", "cont", "continue", *QUIT)
@@ -44,6 +53,11 @@ class Console:
         self.quit_by: int | None = None
         self.no_stdin = False
         self.told = False  # the note on how to answer several ranks at once was said
+        #: many ranks: the ranks last asked as one, whose next prompts are gathered, and
+        #: since when a rank has waited unasked
+        self.group: list[int] | None = None
+        self.since: float | None = None
+        self.before: Callable[[], None] | None = None
 
     def waiting(self, views) -> dict[int, dict]:
         """Ranks that ask and have not been answered: rank -> what it asks."""
@@ -54,10 +68,15 @@ class Console:
                 out[r] = asking
         return out
 
-    def serve(self, views) -> bool:
+    def serve(self, views, before: Callable[[], None] | None = None) -> bool:
         """Ask the user for one rank that waits (blocking until answered); True if any rank
-        waits for a line (so no hang is diagnosed meanwhile)."""
+        waits for a line (so no hang is diagnosed meanwhile). ``before()``: called just
+        before a prompt (what the ranks printed before they asked is shown first)."""
+        self.before = before
         waiting = self.waiting(views)
+        many = len(views) >= COMPACT_FROM
+        if many and self.current not in waiting and self.sticky is None:
+            return self._serve_alike(views, waiting)
         sticky = self.sticky
         if sticky is not None and sticky not in waiting and views[sticky].status == "running":
             return True  # its next prompt is coming
@@ -78,9 +97,47 @@ class Console:
             self._meta(line, waiting)
             return True
         self.send(r, waiting[r], line)
+        if many and (waiting[r]["kind"] != "pdb" or line.strip().split(" ")[0] in GOES_ON):
+            self.current = None  # (asked alone, :rank N, until it runs on)
+        return True
+
+    def _serve_alike(self, views, waiting: dict[int, dict]) -> bool:
+        """Many ranks: ask the ranks stopped alike (the lowest rank's kind) once, when the
+        ranks expected to stop (those asked last, else every running rank) all have, or
+        after ``GATHER_S``; the line goes to each of them."""
+        running = [r for r, v in views.items() if v.status == "running"]
+        if not waiting:
+            self.since = None
+            return any(views[r].snap.get("asking") for r in running)
+        now = time.monotonic()
+        self.since = self.since or now
+        expected = [r for r in (self.group or running) if r in running]
+        if any(r not in waiting for r in expected) and now - self.since < GATHER_S:
+            return True  # the others may stop too: asked together
+        self.since = None
+        same = alike(sorted(waiting), key=lambda r: _stop(waiting[r]))
+        ranks = next(iter(same.values()))
+        asking = waiting[ranks[0]]
+        if len(ranks) > 1 and not self.told:
+            self.told = True
+            self.say(
+                f"notebook_dist: {rank_list(ranks)} stopped alike; each line goes to every "
+                "one of them. :rank N asks one alone, :ranks lists them."
+            )
+        line = self._line(f"[{rank_list(ranks)}] {asking['prompt']}", asking["kind"])
+        if line.startswith(":"):
+            self._meta(line, waiting)
+            return True
+        for r in ranks:
+            self.send(r, waiting[r], line)
+        self.sticky = None  # (their next prompts are gathered instead)
+        goes_on = asking["kind"] != "pdb" or line.strip().split(" ")[0] in GOES_ON
+        self.group = None if goes_on else ranks
         return True
 
     def _line(self, prompt: str, kind: str) -> str:
+        if self.before is not None:
+            self.before()
         if self.scripted:
             line = self.scripted.pop(0)
             self.say(f"{prompt}{line}")
@@ -143,6 +200,11 @@ class Console:
         for r, asking in self.waiting(views).items():
             if asking["kind"] == "pdb":
                 self.send(r, asking, "q")
+
+
+def _stop(asking: dict) -> tuple:
+    """What makes ranks stopped alike: the kind of stop, the prompt, and where."""
+    return asking["kind"], asking["prompt"], tuple(asking.get("where") or ())
 
 
 def _where(asking: dict) -> str:

@@ -143,6 +143,28 @@ def test_the_ranks_progress_bars_are_one_line_for_the_ranks_alike(big):
     ], out.getvalue()
 
 
+def test_ranks_stopped_alike_are_asked_once(big):
+    """Every rank at one breakpoint, then at one input(): one prompt for all of them, each
+    line to every rank (asked rank after rank, 16 ranks were 16 prompts); :rank N asks one
+    rank alone until it runs on."""
+    n = big.world_size
+    out = io.StringIO()
+    r = big.run(
+        "x = nd.rank * 2\nbreakpoint()\ny = x + 1\nlr = input('lr? ')\nbreakpoint()\nlr",
+        out=out,
+        answers=["p x", "c", "0.1", ":rank 3", "p y", "c", "c"],
+    )
+    r.raise_for_errors()
+    said = out.getvalue()
+    assert said.count("(Pdb) p x") == 1 and f"[ranks 0-{n - 1}] (Pdb) p x" in said, said
+    assert all(f"[rank {k}] {2 * k}\n" in said for k in range(n)), said
+    assert f"[ranks 0-{n - 1}] lr? 0.1" in said, said
+    assert set(r.values.values()) == {"0.1"}
+    assert "[rank 3] (Pdb) p y" in said and "[rank 3] 7\n" in said, said
+    assert said.count("(Pdb) c") == 3, said  # the first stop, rank 3's, then the others'
+    assert f"[ranks 0-2, 4-{n - 1}] (Pdb) c" in said, said
+
+
 def test_a_dead_rank_is_named_among_many(big):
     dead = big.world_size // 2 + 1
     with pytest.raises(ClusterError) as got:

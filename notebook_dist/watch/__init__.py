@@ -64,10 +64,7 @@ class CellWatch:
         self.hang_action = hang_action  # "show", or "stop": end the cell at a verdict
         self.hang_after = hang_after
         self.on_update = on_update
-        # each rank's message metadata (output, agent snapshots) as the AsyncResult bound it
-        # when it sent the request, not client.metadata[msg_id]: ipyparallel drops that entry
-        # once the reply and output are in, and a fast cell can get there before this runs
-        metadata = list(ar._metadata)
+        metadata = list(ar._metadata)  # (as the call bound them: Progress says why)
         self.progress = Progress(ranks, metadata, list(ar._children), token)
         self.views = self.progress.views
         self.streamer = _streamer(ranks, metadata, out, err, prepared, self.config, raw_output)
@@ -112,13 +109,15 @@ class CellWatch:
         rank at a prompt is not hung."""
         if self.interrupted or not self.progress.asking():
             return
-        self.streamer.poll(whole=True)  # what the ranks printed before it asked, first
-        if self.on_update is not None:
-            self.on_update(self.view())  # the dashboard shows who asks before the prompt
-        self.console.serve(self.views)
+        self.console.serve(self.views, before=self._show_all)
         self.progress.last_progress = time.monotonic()
         if self.console.quit_by is not None:
             raise _Quit()
+
+    def _show_all(self) -> None:
+        self.streamer.poll(whole=True)  # what the ranks printed before one asked, first
+        if self.on_update is not None:
+            self.on_update(self.view())  # the dashboard shows who asks before the prompt
 
     # ---- the cell's life -------------------------------------------------------------
 

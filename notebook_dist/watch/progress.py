@@ -46,7 +46,12 @@ def engine_error(exc: BaseException) -> dict[str, str]:
 
 
 class Progress:
-    """The ranks' views, updated from ipyparallel's per-message metadata and futures."""
+    """The ranks' views, updated from ipyparallel's per-message metadata and futures.
+
+    ``metadata``: each rank's message metadata (output, agent snapshots) as the call bound
+    it when it sent the request, not ``client.metadata[msg_id]``: ipyparallel drops that
+    entry once the reply and output are in, and a fast cell can get there before the
+    watch is made."""
 
     def __init__(self, ranks: list[int], metadata: list[dict], futures: list, token: str):
         self.ranks = ranks

@@ -161,7 +161,7 @@ class Console:
         self.cluster.tell_rank(rank, "answer", f"{asking['id']}\t{line}")
         self.answered[rank] = asking["id"]
         if asking["kind"] == "pdb" and line.strip() in QUIT:
-            self.quit_by = rank
+            self.quit_by = rank if self.quit_by is None else self.quit_by  # (the first)
         if asking["kind"] == "pdb" and line.strip().split(" ")[0] not in GOES_ON:
             self.sticky = rank
 

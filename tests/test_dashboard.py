@@ -55,17 +55,19 @@ def test_state_follows_a_real_cell(live):
 
 def test_a_cells_progress_bar_is_its_ranks_progress_when_it_reports_none(live):
     """A training loop under tqdm, no nd.report: the dashboard's progress is the bar's,
-    live and at the end; a bar to a file of the user's counts too, the open one first."""
+    live and at the end, and the rank whose steps take 3x as long is the straggler."""
     rec = Recorder()
     feed = DashboardFeed(rec, hz=4)
     result = live.run(
         "import time\nfrom tqdm import tqdm\nfor _ in tqdm(range(12), desc='train'):\n"
-        "    time.sleep(0.1)\n",
+        "    time.sleep(0.05 * (1 + 2 * nd.rank))  # rank 1 is the slow one\n",
         on_update=feed,
     )
     feed.close(live.last_watch)
     assert not result.errors
-    assert [(row.step, row.total) for row in rec.closed.rows.values()] == [(12, 12)] * 2
+    rows = rec.closed.rows
+    assert [(row.step, row.total) for row in rows.values()] == [(12, 12)] * 2
+    assert rows[1].straggler and not rows[0].straggler
     midway = [row.step for st in rec.states for row in st.rows.values() if row.step]
     assert any(0 < step < 12 for step in midway), midway
 

@@ -59,6 +59,27 @@ def test_two_ranks_stopped_listed_switched_and_sent_one_command(kernel):
     assert out.count(":all LINE answers every one, :ranks lists them.") == 1, out
 
 
+def test_nine_ranks_at_one_breakpoint_get_one_prompt_in_the_input_box(kernel):
+    """From 9 ranks, the ranks stopped at one line are one prompt in the front end's input
+    box, each answer run on every one of them; q quits them all, variables kept."""
+    out, _, error = kernel("%dist_shutdown\n%dist_init -n 9")
+    assert error is None, out
+    try:
+        out, prompts, error = kernel(
+            "%%distributed\nx = nd.rank * 10\nbreakpoint()\ny = x + 1",
+            answers=["p x", "n", "p y", "q"],
+        )
+        assert error == "CellInterrupted", out
+        assert prompts == ["[ranks 0-8] (Pdb) "] * 4, prompts
+        assert "the debugger was quit on rank 0; every rank kept its variables" in out, out
+        assert all(f"[rank {r}] {10 * r}\n" in out for r in range(9)), out
+        assert all(f"[rank {r}] {10 * r + 1}\n" in out for r in range(9)), out
+        out, _, error = kernel("%%distributed\nx")
+        assert error is None and "[rank 8] 80" in out, out
+    finally:
+        kernel("%dist_shutdown\n%dist_init -n 2")
+
+
 def test_q_ends_the_cell_as_an_interrupt_does_and_every_rank_keeps_its_variables(kernel):
     out, prompts, error = kernel(
         "%%distributed\nkept = nd.rank + 5\nif nd.rank == 1:\n    breakpoint()\ndist.barrier()",

@@ -153,6 +153,8 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
         began = began or view.started
         if reports and raw.get("_time"):
             row.step_time_s = (raw["_time"] - began) / reports
+        elif row.step and snap.get("bars") and snap.get("time"):  # (a tqdm loop's steps)
+            row.step_time_s = (snap["time"] - began) / float(row.step)
         if raw.get("_samples_total") and raw.get("_time") and raw["_time"] > began:
             any_samples = True
             samples_rate += raw["_samples_total"] / (raw["_time"] - began)

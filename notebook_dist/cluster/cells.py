@@ -17,6 +17,8 @@ from ..execute import CellResult, PreparedCell, collect, prepare_cell
 from ..phrases import rank_list
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import cell as rt_cell
+from ..ui.bars import OFF as NO_BARS
+from ..ui.bars import GroupedBars, grouping
 from ..values import RankValues, pack, pack_named, through_file, unpack
 from ..watch import CellWatch
 from . import engines
@@ -145,11 +147,9 @@ def run(
 def _grouped_bars(cluster, selected: list[int], raw_output: bool, out):
     """The cell's ranks' alike progress bars shown as one, from ``phrases.COMPACT_FROM``
     ranks (``ui/bars.py``; off: each rank shows its own)."""
-    from ..ui import widgets_available
-    from ..ui.bars import GroupedBars, grouping
-
-    on = grouping(len(selected), raw_output, cluster.config.fold_from_ranks)
-    return GroupedBars(out, on and widgets_available(), on)
+    if not grouping(len(selected), raw_output, cluster.config.fold_from_ranks):
+        return NO_BARS
+    return GroupedBars(out)
 
 
 def _send(cluster, selected: list[int], func, *args):

@@ -8,11 +8,14 @@ one; drawn as a widget in a notebook, and as a line a group at the cell's end el
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
 from ..phrases import COMPACT_FROM, alike, rank_list
 
+#: how often, at most, the bars look at the ranks' snapshots as the cell runs (seconds)
+LOOK_S = 0.2
 #: up to how many different counts a group's bar names with their ranks
 _KINDS_NAMED = 3
 
@@ -104,19 +107,28 @@ class GroupedBars:
     at its end. ``live``: drawn as widgets as the cell runs (a notebook); else one line
     a group is written to ``out`` when it ends. Not ``on``: the ranks show their own."""
 
-    def __init__(self, out: TextIO | None, live: bool, on: bool = True):
-        self.out, self.live, self.on = out, live, on
+    def __init__(self, out: TextIO | None, live: bool | None = None, on: bool = True):
+        self.out, self._live, self.on = out, live, on
+        self.looked = time.monotonic()  # (a cell shorter than LOOK_S: one look, at its end)
         self.shown: dict[tuple[int, str], object] = {}  # a group's widget, by its key
         self.last: list[BarGroup] = []
 
     def update(self, views: dict) -> None:
-        snaps = {r: v.snap for r, v in views.items()}
-        if not self.last and not any(snap.get("bars") for snap in snaps.values()):
+        if not self.last and not any(v.snap.get("bars") for v in views.values()):
             return  # (most cells make no bar: a look at each rank, no more)
-        self.last = groups_of(snaps)
+        self.last = groups_of({r: v.snap for r, v in views.items()})
         if self.live:
             for i, group in enumerate(self.last):
                 self._draw((i, group.desc), group)
+
+    @property
+    def live(self) -> bool:
+        """Drawn as widgets (a notebook's kernel with ipywidgets): asked when first drawn."""
+        if self._live is None:
+            from . import widgets_available
+
+            self._live = widgets_available()
+        return self._live
 
     def following(self, on_update):
         """A watch's ``on_update`` that updates the bars, then calls ``on_update``."""
@@ -124,7 +136,10 @@ class GroupedBars:
             return on_update
 
         def updated(view) -> None:
-            self.update(view.views)
+            now = time.monotonic()
+            if now - self.looked >= LOOK_S:  # (the snapshots come twice a second)
+                self.looked = now
+                self.update(view.views)
             if on_update is not None:
                 on_update(view)
 
@@ -134,7 +149,7 @@ class GroupedBars:
         if not self.on:
             return
         self.update(views)
-        if self.live or not self.last:
+        if not self.last or self.live:
             return
         import sys
 
@@ -168,3 +183,7 @@ def _set(widget, name: str, value) -> None:
     """Set a widget's trait only when it changes (each change is a message)."""
     if getattr(widget, name) != value:
         setattr(widget, name, value)
+
+
+#: the bars of a cell whose ranks show their own (fewer than ``COMPACT_FROM``, raw output)
+OFF = GroupedBars(None, False, on=False)

@@ -25,7 +25,7 @@ import builtins
 import time
 from collections.abc import Callable
 
-from .phrases import COMPACT_FROM, alike, rank_list
+from .phrases import COMPACT_FROM, alike, each_rank, rank_list
 
 #: how long the console waits for the other ranks to stop too, before it asks those
 #: stopped alike (a cell on ``COMPACT_FROM`` ranks or more)
@@ -168,13 +168,9 @@ class Console:
     def _meta(self, line: str, waiting: dict[int, dict]) -> None:
         word, _, rest = line[1:].strip().partition(" ")
         if word == "ranks":
-            self.say(
-                "notebook_dist: stopped: "
-                + "; ".join(
-                    f"rank {r}: {a['prompt'].strip()} at {_where(a)}"
-                    for r, a in sorted(waiting.items())
-                )
-            )
+            said = [(r, f"{a['prompt'].strip()} at {_where(a)}") for r, a in waiting.items()]
+            said = [(r, words, words) for r, words in sorted(said)]  # (a prompt as it is)
+            self.say("notebook_dist: stopped: " + each_rank(said, between=": "))
         elif word == "rank" and rest.strip().isdigit():
             chosen = int(rest)
             if chosen in waiting:

@@ -51,8 +51,8 @@ def test_two_ranks_stopped_listed_switched_and_sent_one_command(kernel):
     )
     assert error is None, out
     assert prompts[0] == "[rank 0] (Pdb) " and "[rank 1] (Pdb) " in prompts[2:], prompts
-    assert "notebook_dist: stopped: rank 0: (Pdb) at Cell In[" in out, out
-    assert "rank 1: (Pdb) at Cell In[" in out
+    # the ranks stopped at one line are said once
+    assert "notebook_dist: stopped: ranks 0, 1: (Pdb) at Cell In[" in out, out
     assert "[rank 0] 1\n" in out and "[rank 1] 11\n" in out, out  # :all p x + 1
     assert "sent 'p x + 1' to ranks 0, 1." in out
     assert out.count("notebook_dist: ranks 0, 1 wait for a line; asking rank ") == 1, out

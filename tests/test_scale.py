@@ -152,10 +152,11 @@ def test_ranks_stopped_alike_are_asked_once(big):
     r = big.run(
         "x = nd.rank * 2\nbreakpoint()\ny = x + 1\nlr = input('lr? ')\nbreakpoint()\nlr",
         out=out,
-        answers=["p x", "c", "0.1", ":rank 3", "p y", "c", "c"],
+        answers=[":ranks", "p x", "c", "0.1", ":rank 3", "p y", "c", "c"],
     )
     r.raise_for_errors()
     said = out.getvalue()
+    assert f"notebook_dist: stopped: ranks 0-{n - 1}: (Pdb) at <cell>, line 3\n" in said, said
     assert said.count("(Pdb) p x") == 1 and f"[ranks 0-{n - 1}] (Pdb) p x" in said, said
     assert all(f"[rank {k}] {2 * k}\n" in said for k in range(n)), said
     assert f"[ranks 0-{n - 1}] lr? 0.1" in said, said

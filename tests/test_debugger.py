@@ -71,6 +71,8 @@ def test_nine_ranks_at_one_breakpoint_get_one_prompt_in_the_input_box(kernel):
         )
         assert error == "CellInterrupted", out
         assert prompts == ["[ranks 0-8] (Pdb) "] * 4, prompts
+        # where they stopped, with the cell's line (the cell's name as it is, not a path)
+        assert "[ranks 0-8] -> y = x + 1\n" in out and "[ranks 0-8] > Cell In[" in out, out
         assert "the debugger was quit on rank 0; every rank kept its variables" in out, out
         assert all(f"[rank {r}] {10 * r}\n" in out for r in range(9)), out
         assert all(f"[rank {r}] {10 * r + 1}\n" in out for r in range(9)), out

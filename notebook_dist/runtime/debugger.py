@@ -24,6 +24,7 @@ import queue
 import sys
 
 from .state import STATE
+from .tracker import CELL_PREFIX
 
 _ids = itertools.count(1)
 
@@ -77,6 +78,14 @@ class RankPdb(pdb.Pdb):
         )
         self.use_rawinput = True  # cmd.Cmd then calls input(): ours, below
         self.prompt = "(Pdb) "
+
+    def canonic(self, filename: str) -> str:
+        """A cell's name as it is (``Cell In[3]``, under which its source is kept): pdb made
+        it a path in the working folder, where no source is, so the where-line had no
+        ``-> line`` and ``list`` showed nothing."""
+        if filename.startswith(CELL_PREFIX):
+            return filename
+        return super().canonic(filename)
 
     def setup(self, f, tb):
         """Where the debugger lands: never in the tool's own frames (an error raised by

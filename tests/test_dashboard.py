@@ -287,6 +287,9 @@ def test_many_ranks_are_grouped_with_the_ones_that_need_a_look_first():
     assert text.splitlines()[1:4] == labels and "rank  state" not in text
     full = render_text(many_ranks(), full=True)  # DistConfig.dashboard_full_table
     assert len([ln for ln in full.splitlines()[1:] if re.match(r"\d+ ", ln)]) == 32
+    uneven = many_ranks()  # ranks with more data than others: each is steps of its own total
+    uneven.rows[6].step, uneven.rows[6].total = 50, 120
+    assert [g.label() for g in groups(uneven)][2].endswith(" · steps 41-50 of 100-120")
     few = many_ranks(8)
     few.rows.pop(5)
     few.ranks = [r for r in few.ranks if r in few.rows]

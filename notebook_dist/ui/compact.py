@@ -52,6 +52,8 @@ class Group:
     ranks: list[int] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
     total: float | None = None
+    #: the ranks' totals where they differ (uneven data): the steps are said against them
+    totals: tuple[float, float] | None = None
 
     def label(self) -> str:
         what = self.state + (f" {self.collective}" if self.collective else "")
@@ -63,6 +65,8 @@ class Group:
             step = f" · step {progress_text(low, self.total)}"
             if high != low:
                 step = f" · steps {low:g}-{progress_text(high, self.total)}"
+            if self.totals:
+                step = f" · steps {low:g}-{high:g} of {self.totals[0]:g}-{self.totals[1]:g}"
         return f"{rank_list(self.ranks)}: {what}{step}"
 
     @property
@@ -83,12 +87,14 @@ def groups(st: DashboardState) -> list[Group]:
         rows, key=lambda rr: (rr[1].state, rr[1].collective, rr[1].straggler)
     ).items():
         stepped = [row for _, row in same if row.step is not None]
+        totals = sorted({float(row.total) for row in stepped if row.total})
         made.append(
             Group(
                 *key,
                 ranks=[r for r, _ in same],
                 steps=[float(row.step) for row in stepped],
                 total=stepped[-1].total if stepped else None,
+                totals=(totals[0], totals[-1]) if len(totals) > 1 else None,
             )
         )
     return sorted(made, key=lambda g: (_order(g.state) if not g.straggler else -1, g.ranks[0]))

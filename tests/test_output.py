@@ -403,10 +403,15 @@ def test_many_ranks_widget_bars_are_one_bar_for_the_ranks_alike(kernel):
         )
         assert error is None, out
         widgets = [
-            d for kind, _, _, d in messages if "application/vnd.jupyter.widget-view+json" in d
+            d
+            for kind, _, _, d in messages
+            if kind == "display_data" and "application/vnd.jupyter.widget-view+json" in d
         ]
         assert len(widgets) == 1, widgets  # one bar for the nine
         assert "trained" in out, out
+        # its text form, as a saved notebook read without the widget shows it: its end
+        updates = [p for kind, _, p, d in messages if kind == "update_display_data"]
+        assert updates[-1] == "[ranks 0-8] train: 6/6 (ranks 0-4, 6-8), 8/8 (rank 5)", updates
         # where the bar ended: every rank's last count, the bar full
         out, _, error = kernel(
             "from ipywidgets.widgets.widget import _instances\n"

@@ -149,7 +149,11 @@ class GroupedBars:
         if not self.on:
             return
         self.update(views)
-        if not self.last or self.live:
+        if not self.last:
+            return
+        if self.live:  # (the text form of each bar: its last state)
+            for i, group in enumerate(self.last):
+                self._draw((i, group.desc), group, final=True)
             return
         import sys
 
@@ -157,7 +161,10 @@ class GroupedBars:
         out.write("".join(group.text() + "\n" for group in self.last))
         out.flush()
 
-    def _draw(self, key: tuple[int, str], group: BarGroup) -> None:
+    def _draw(self, key: tuple[int, str], group: BarGroup, final: bool = False) -> None:
+        """A group's widget, made and shown at first sight, its parts set as they change.
+        Its text form says the group as it is (a saved notebook, read without the widget,
+        shows the bar's last state): sent with it, and again at the cell's end."""
         import ipywidgets as w
 
         shown = self.shown.get(key)
@@ -173,10 +180,12 @@ class GroupedBars:
         _set(bar, "value", group.share)
         _set(bar, "bar_style", group.state)
         _set(right, "value", group.counts_text())
-        if new:  # (drawn as it is: its text form says it too)
-            from IPython.display import display
+        if new or final:
+            from IPython.display import publish_display_data
 
-            display(shown)
+            data = {**shown._repr_mimebundle_(), "text/plain": group.text()}
+            display_id = f"nd-bars-{shown.model_id}"
+            publish_display_data(data, transient={"display_id": display_id}, update=not new)
 
 
 def _set(widget, name: str, value) -> None:

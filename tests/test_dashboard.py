@@ -338,3 +338,20 @@ def test_thirty_two_ranks_read_on_one_screen_in_chromium(tmp_path):
             assert board.bounding_box()["height"] > closed["height"] * 3
         finally:
             browser.close()
+
+
+def test_a_progress_bar_that_cannot_be_read_stops_the_bars_never_the_cell(caplog):
+    """A rank's bar in a form the notebook cannot read (a rank of another version, say):
+    the grouped bars stop, said in the log, and the cell goes on."""
+    import io
+    from types import SimpleNamespace
+
+    from notebook_dist.ui.bars import GroupedBars
+
+    out = io.StringIO()
+    bars = GroupedBars(out, live=False)
+    views = {0: SimpleNamespace(snap={"bars": [["train", 3]]})}
+    bars.following(None)(SimpleNamespace(views=views))  # (looked at once LOOK_S passed)
+    bars.finish(views)
+    assert not bars.on and out.getvalue() == ""
+    assert "the ranks' progress bars stopped" in caplog.text

@@ -241,7 +241,7 @@ def snapshot(with_stack: bool = True) -> dict[str, Any]:
         },
         "reports": STATE.reports,
         "asking": dict(STATE.asking) if STATE.asking else None,
-        "bars": bar_states(),  # (widget bars the notebook shows grouped: runtime/bars.py)
+        "bars": bar_states(),  # (its progress bars: runtime/bars.py)
     }
 
 

@@ -8,6 +8,7 @@ one; drawn as a widget in a notebook, and as a line a group at the cell's end el
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -113,13 +114,19 @@ class GroupedBars:
         self.shown: dict[tuple[int, str], object] = {}  # a group's widget, by its key
         self.last: list[BarGroup] = []
 
-    def update(self, views: dict) -> None:
+    def update(self, views: dict, final: bool = False) -> None:
+        """Look at the ranks' snapshots, and draw the groups in a notebook. A bar that
+        cannot be drawn never fails the cell: the bars stop, said in the log."""
         if not self.last and not any(v.snap.get("bars") for v in views.values()):
             return  # (most cells make no bar: a look at each rank, no more)
-        self.last = groups_of({r: v.snap for r, v in views.items()})
-        if self.live:
-            for i, group in enumerate(self.last):
-                self._draw((i, group.desc), group)
+        try:
+            self.last = groups_of({r: v.snap for r, v in views.items()})
+            if self.live:
+                for i, group in enumerate(self.last):
+                    self._draw((i, group.desc), group, final)
+        except Exception:
+            logging.getLogger("notebook_dist").exception("the ranks' progress bars stopped")
+            self.on, self.last = False, []
 
     @property
     def live(self) -> bool:
@@ -137,7 +144,7 @@ class GroupedBars:
 
         def updated(view) -> None:
             now = time.monotonic()
-            if now - self.looked >= LOOK_S:  # (the snapshots come twice a second)
+            if self.on and now - self.looked >= LOOK_S:  # (snapshots come twice a second)
                 self.looked = now
                 self.update(view.views)
             if on_update is not None:
@@ -146,14 +153,12 @@ class GroupedBars:
         return updated
 
     def finish(self, views: dict) -> None:
+        """The bars' last state: drawn, its text form with it (a notebook), or a line a
+        group written (elsewhere)."""
         if not self.on:
             return
-        self.update(views)
-        if not self.last:
-            return
-        if self.live:  # (the text form of each bar: its last state)
-            for i, group in enumerate(self.last):
-                self._draw((i, group.desc), group, final=True)
+        self.update(views, final=True)
+        if not self.last or self.live:
             return
         import sys
 

@@ -132,7 +132,10 @@ def test_the_ranks_progress_bars_are_one_line_for_the_ranks_alike(big):
         "from tqdm.notebook import tqdm\nfrom tqdm import tqdm as text_tqdm\n"
         "for _ in tqdm(range(5), desc='train'):\n    pass\n"
         f"bar = tqdm(total=4, desc='eval')\nbar.update(2 if nd.rank == {short} else 4)\n"
-        "bar.close()\nfor _ in text_tqdm(range(3), desc='test'):\n    pass\n",
+        "bar.close()\nfor _ in text_tqdm(range(3), desc='test'):\n    pass\n"
+        # an epoch's inner bar, gone once done (leave=False): no line for it
+        "for _ in text_tqdm(range(2), desc='epoch'):\n"
+        "    for _ in tqdm(range(3), desc='batch', leave=False):\n        pass\n",
         out=out,
     ).raise_for_errors()
     others = ", ".join(f"{a}-{b}" for a, b in ((0, short - 1), (short + 1, n - 1)))
@@ -140,6 +143,7 @@ def test_the_ranks_progress_bars_are_one_line_for_the_ranks_alike(big):
         f"[ranks 0-{n - 1}] train: 5/5",
         f"[ranks 0-{n - 1}] eval: 4/4 (ranks {others}), 2/4 (rank {short})",
         f"[ranks 0-{n - 1}] test: 3/3",
+        f"[ranks 0-{n - 1}] epoch: 2/2",
     ], out.getvalue()
 
 

@@ -98,7 +98,8 @@ def keep(bar, quiet: bool) -> None:
 def bar_states() -> list[list] | None:
     """Each bar of this cell as ``[description, n, total, state, grouped]``, in the order
     they were made (None: none); state: 'danger' (closed short of its total, or stopped by
-    an error), 'success' (closed whole) or '' (open)."""
+    an error), 'success' (closed whole), 'hidden' (closed, made with ``leave=False``: an
+    epoch's inner bar) or '' (open)."""
     if not STATE.bars:
         return None
     label = f"[rank {STATE.rank}] "
@@ -107,8 +108,11 @@ def bar_states() -> list[list] | None:
         container = getattr(bar, "container", None)  # (a widget bar's, or its stand-in)
         if container is not None:
             state = container.children[1].bar_style
+            if getattr(container, "closed", False) and state != "danger":
+                state = "hidden"  # (tqdm.notebook closes a leave=False bar's box)
         elif bar.disable:  # (a text bar: closed)
-            state = "danger" if bar.total and bar.n < bar.total else "success"
+            short = bar.total and bar.n < bar.total
+            state = "hidden" if not bar.leave else "danger" if short else "success"
         else:
             state = ""
         desc = str(bar.desc or "").removeprefix(label).removeprefix(label.rstrip())

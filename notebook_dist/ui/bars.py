@@ -33,6 +33,7 @@ class BarGroup:
     is shown as one: their counts, totals and states ('danger', 'success', '')."""
 
     desc: str
+    place: int = 0  # which of each rank's bars it is (an epoch's inner bar: one a epoch)
     ranks: list[int] = field(default_factory=list)
     counts: list[float] = field(default_factory=list)
     totals: list[float | None] = field(default_factory=list)
@@ -46,9 +47,13 @@ class BarGroup:
 
     @property
     def state(self) -> str:
+        """'danger' (a rank's bar stopped short or failed), 'success' (all closed whole),
+        'hidden' (all closed, made with ``leave=False``), or '' (running)."""
         if "danger" in self.states:
             return "danger"
-        return "success" if all(s == "success" for s in self.states) else ""
+        if all(s == "hidden" for s in self.states):
+            return "hidden"
+        return "success" if all(s in ("success", "hidden") for s in self.states) else ""
 
     def label(self) -> str:
         return f"[{rank_list(self.ranks)}] {self.desc}".rstrip()
@@ -88,8 +93,8 @@ def groups_of(snaps: dict[int, dict]) -> list[BarGroup]:
         for i, bar in enumerate(b for b in (snap or {}).get("bars") or () if b[4])
     ]
     out = []
-    for (_, desc), same in alike(entries, key=lambda e: (e[0], e[2][0])).items():
-        group = BarGroup(desc)
+    for (place, desc), same in alike(entries, key=lambda e: (e[0], e[2][0])).items():
+        group = BarGroup(desc, place)
         for _, r, (_, n, total, state, _) in same:
             group.ranks.append(r)
             group.counts.append(n)
@@ -111,7 +116,7 @@ class GroupedBars:
     def __init__(self, out: TextIO | None, live: bool | None = None, on: bool = True):
         self.out, self._live, self.on = out, live, on
         self.looked = time.monotonic()  # (a cell shorter than LOOK_S: one look, at its end)
-        self.shown: dict[tuple[int, str], object] = {}  # a group's widget, by its key
+        self.shown: dict[tuple[int, str], object] = {}  # a group's widget, by its place
         self.last: list[BarGroup] = []
 
     def update(self, views: dict, final: bool = False) -> None:
@@ -122,8 +127,8 @@ class GroupedBars:
         try:
             self.last = groups_of({r: v.snap for r, v in views.items()})
             if self.live:
-                for i, group in enumerate(self.last):
-                    self._draw((i, group.desc), group, final)
+                for group in self.last:
+                    self._draw(group, final)
         except Exception:
             logging.getLogger("notebook_dist").exception("the ranks' progress bars stopped")
             self.on, self.last = False, []
@@ -163,16 +168,22 @@ class GroupedBars:
         import sys
 
         out = self.out or sys.stdout
-        out.write("".join(group.text() + "\n" for group in self.last))
+        out.write("".join(g.text() + "\n" for g in self.last if g.state != "hidden"))
         out.flush()
 
-    def _draw(self, key: tuple[int, str], group: BarGroup, final: bool = False) -> None:
-        """A group's widget, made and shown at first sight, its parts set as they change.
-        Its text form says the group as it is (a saved notebook, read without the widget,
-        shows the bar's last state): sent with it, and again at the cell's end."""
+    def _draw(self, group: BarGroup, final: bool = False) -> None:
+        """A group's widget, made and shown at first sight, its parts set as they change;
+        closed once every rank's bar closed hidden (``leave=False``). Its text form says
+        the group as it is (a saved notebook, read without the widget, shows the bar's last
+        state): sent with it, and again at the cell's end."""
         import ipywidgets as w
 
+        key = (group.place, group.desc)
         shown = self.shown.get(key)
+        if group.state == "hidden":
+            if shown is not None and shown.comm is not None:
+                shown.close()  # (as tqdm.notebook closes a leave=False bar)
+            return
         new = shown is None
         if new:
             bar = w.FloatProgress(min=0.0, max=1.0)

@@ -169,13 +169,16 @@ def build(watch, chart_metric: str = "loss", now: float | None = None) -> Dashbo
 
 
 def bar_progress(bars: list | None) -> tuple[float | None, float | None]:
-    """(count, total) of a rank's progress bar (tqdm) in its snapshot: the last one still
-    open, else the last one; (None, None) for none."""
+    """(count, total) of a rank's progress bar (tqdm) in its snapshot: the outermost one
+    still open (an epoch's bar, not its batches', whose count starts again each epoch),
+    else the last one that stays shown; (None, None) for none."""
     if not bars:
         return None, None
     open_ = [b for b in bars if not b[3]]
-    desc, n, total, *_ = (open_ or bars)[-1]
-    return n, total
+    if open_:
+        return open_[0][1], open_[0][2]
+    shown = [b for b in bars if b[3] != "hidden"] or bars
+    return shown[-1][1], shown[-1][2]
 
 
 def cluster_state(cluster, rows: list[dict] | None = None, title: str = "") -> DashboardState:

@@ -448,6 +448,11 @@ def test_a_profile_without_the_flight_recorder_gives_no_verdict():
     from notebook_dist.profile.view import rank_cells
 
     assert rank_cells(p, p.ranks[0])[2:] == ("?", "?", "?")
+    # at 16 ranks, nothing known to name a rank by: one row of every rank's wall
+    many = analyze({r: dict(_rank(r, every, arrivals=[]), unrecorded=5) for r in range(16)}, {})
+    table = many.text().splitlines()[1:3]
+    assert table[1].split()[3:] == ["?", "?", "?", "every", "rank"], table
+    assert table[1].split()[0] == "0-15", table
 
 
 @pytest.mark.slow

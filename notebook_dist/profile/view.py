@@ -49,8 +49,8 @@ def ends(p) -> dict[int, str]:
     times = list(p.ranks.values())
     why: dict[int, list[str]] = {}
     for name, pick, said in _ENDS:
-        if p.unrecorded and name == "waiting_s":
-            continue  # (not known)
+        if p.unrecorded:
+            break  # (neither is known without the ranks' collectives)
         why.setdefault(pick(times, key=lambda t: getattr(t, name)).rank, []).append(said)
     return {r: ", ".join(words) for r, words in sorted(why.items())}
 
@@ -66,7 +66,8 @@ def table_rows(p, full: bool = False) -> tuple[tuple[str, ...], list[tuple]]:
     others = [t for r, t in p.ranks.items() if r not in named]
     if others:
         cells = list(zip(*(rank_cells(p, t) for t in others)))[1:]
-        rows.append((rank_numbers(t.rank for t in others), *map(_span, cells), "the others"))
+        said = "the others" if named else "every rank"
+        rows.append((rank_numbers(t.rank for t in others), *map(_span, cells), said))
     return (*cols, ""), rows
 
 

@@ -97,7 +97,7 @@ class Console:
             self._meta(line, waiting)
             return True
         self.send(r, waiting[r], line)
-        if many and (waiting[r]["kind"] != "pdb" or line.strip().split(" ")[0] in GOES_ON):
+        if many and runs_on(waiting[r], line):
             self.current = None  # (asked alone, :rank N, until it runs on)
         return True
 
@@ -131,8 +131,7 @@ class Console:
         for r in ranks:
             self.send(r, waiting[r], line)
         self.sticky = None  # (their next prompts are gathered instead)
-        goes_on = asking["kind"] != "pdb" or line.strip().split(" ")[0] in GOES_ON
-        self.group = None if goes_on else ranks
+        self.group = None if runs_on(asking, line) else ranks
         return True
 
     def _line(self, prompt: str, kind: str) -> str:
@@ -162,7 +161,7 @@ class Console:
         self.answered[rank] = asking["id"]
         if asking["kind"] == "pdb" and line.strip() in QUIT:
             self.quit_by = rank if self.quit_by is None else self.quit_by  # (the first)
-        if asking["kind"] == "pdb" and line.strip().split(" ")[0] not in GOES_ON:
+        if not runs_on(asking, line):
             self.sticky = rank
 
     def _meta(self, line: str, waiting: dict[int, dict]) -> None:
@@ -196,6 +195,12 @@ class Console:
         for r, asking in self.waiting(views).items():
             if asking["kind"] == "pdb":
                 self.send(r, asking, "q")
+
+
+def runs_on(asking: dict, line: str) -> bool:
+    """Whether a rank answered ``line`` runs on (input() answered, pdb's c or q), rather
+    than asking again (pdb's p x, n)."""
+    return asking["kind"] != "pdb" or line.strip().split(" ")[0] in GOES_ON
 
 
 def _stop(asking: dict) -> tuple:

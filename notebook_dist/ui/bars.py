@@ -9,6 +9,7 @@ one; drawn as a widget in a notebook, and as a line a group at the cell's end el
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -39,10 +40,14 @@ class BarGroup:
     totals: list[float | None] = field(default_factory=list)
     states: list[str] = field(default_factory=list)
 
+    def shares(self) -> list[float]:
+        """How far each rank's bar is, 0 to 1 (1 for a bar without a total)."""
+        return [n / t if t else 1.0 for n, t in zip(self.counts, self.totals)]
+
     @property
     def share(self) -> float:
-        """How far the slowest rank is, 0 to 1 (1 for bars without a total)."""
-        shares = [n / t if t else 1.0 for n, t in zip(self.counts, self.totals)]
+        """How far the slowest rank is, 0 to 1."""
+        shares = self.shares()
         return max(0.0, min(1.0, min(shares))) if shares else 0.0
 
     @property
@@ -73,7 +78,7 @@ class BarGroup:
                 f"{text} ({rank_list(r for r, _ in same)})" for text, same in kinds.items()
             )
         totals = [t for t in self.totals if t]
-        shares = [n / t if t else 1.0 for n, t in zip(self.counts, self.totals)]
+        shares = self.shares()
         slowest = [r for r, share in zip(self.ranks, shares) if share == min(shares)]
         counts = f"{_number(min(self.counts))}-{_number(max(self.counts))}"
         total = f"/{_number(max(totals))}" if totals else " it"
@@ -165,8 +170,6 @@ class GroupedBars:
         self.update(views, final=True)
         if not self.last or self.live:
             return
-        import sys
-
         out = self.out or sys.stdout
         out.write("".join(g.text() + "\n" for g in self.last if g.state != "hidden"))
         out.flush()

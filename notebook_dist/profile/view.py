@@ -9,6 +9,8 @@ from ..phrases import COMPACT_FROM, rank_numbers
 from ..phrases import size_text as bytes_text
 from ..table import format_table
 
+#: the times a rank's row shows, in the order of its columns after the rank
+_TIMES = ("wall_s", "compute_s", "collectives_s", "waiting_s", "exposed_s")
 #: what makes a rank one of those a compact table names, and how its row says so
 _ENDS = (
     ("compute_s", max, "most compute"),
@@ -24,17 +26,8 @@ def rank_columns(p) -> tuple[str, ...]:
 
 
 def rank_cells(p, r) -> tuple:
-    def secs(value: float) -> str:
-        return "?" if p.unrecorded else f"{value:.3f} s"
-
-    cells = (
-        r.rank,
-        f"{r.wall_s:.3f} s",
-        secs(r.compute_s),
-        secs(r.collectives_s),
-        secs(r.waiting_s),
-    )
-    return cells + (secs(r.exposed_s),) if p.cuda else cells
+    """A rank's row: its number, then each time (``?`` where not known)."""
+    return (r.rank, *(_span(p, [r], name) for name in _TIMES[: len(rank_columns(p)) - 1]))
 
 
 def compact(p, full: bool = False) -> bool:
@@ -65,20 +58,18 @@ def table_rows(p, full: bool = False) -> tuple[tuple[str, ...], list[tuple]]:
     rows = [(*rank_cells(p, p.ranks[r]), why) for r, why in named.items()]
     others = [t for r, t in p.ranks.items() if r not in named]
     if others:
-        cells = list(zip(*(rank_cells(p, t) for t in others)))[1:]
+        spans = [_span(p, others, name) for name in _TIMES[: len(cols) - 1]]
         said = "the others" if named else "every rank"
-        rows.append((rank_numbers(t.rank for t in others), *map(_span, cells), said))
+        rows.append((rank_numbers(t.rank for t in others), *spans, said))
     return (*cols, ""), rows
 
 
-def _span(column: tuple[str, ...]) -> str:
-    """A column's values ('1.234 s', or '?') as one: '1.201-1.305 s'."""
-    values = sorted({float(v.split()[0]) for v in column if v != "?"})
-    if not values:
+def _span(p, times: list, name: str) -> str:
+    """One column of several ranks as one: '1.201-1.305 s' ('?' where not known)."""
+    if p.unrecorded and name != "wall_s":
         return "?"
-    if len(values) == 1:
-        return f"{values[0]:.3f} s"
-    return f"{values[0]:.3f}-{values[-1]:.3f} s"
+    low, high = (f"{f(getattr(t, name) for t in times):.3f}" for f in (min, max))
+    return f"{low} s" if low == high else f"{low}-{high} s"
 
 
 def text(p, full: bool = False) -> str:

@@ -72,6 +72,18 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=60)
 
 
+def _end_all_in(ns: str) -> None:
+    """End, by pid, every process left in the network namespace ``ns`` (one of the test's
+    hosts, made by the fixture: each of its processes is the fixture's sshd's)."""
+    pids = [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_until(lambda: not sh("ip", "netns", "pids", ns, check=False).stdout.split(), 10)
+
+
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     """Two 'hosts' on a bridge, each a network namespace with its own host name, its own
@@ -170,6 +182,12 @@ def hosts(tmp_path_factory):
             except ProcessLookupError:
                 pass
             p.wait(timeout=10)
+        # what sshd started for each connection leads a session of its own, so the group's
+        # end leaves it: a connection still open (ipyparallel's ssh launcher asks each host
+        # in a thread whether its engine still runs) would hold its ssh client for ever.
+        # Every process in a host's namespace was started by its sshd, here
+        for ns in (m for m in made if m != "bridge"):
+            _end_all_in(ns)
         for thing in reversed(made):
             if thing == "bridge":
                 sh("ip", "link", "del", BRIDGE, check=False)

@@ -52,9 +52,10 @@ class DistConfig:
     quick as a heal. 0: engines are started when needed."""
 
     direct_lane: bool = True
-    """The notebook's cells and calls reach local ranks over a socket of their own
+    """The notebook's cells and calls reach the ranks over a socket of their own
     (``cluster/lane.py``), not through the controller's queue: one process hop fewer each
-    way, the same ipyparallel messages. False: every request goes through the queue."""
+    way, the same ipyparallel messages. Ranks on other hosts reach it where they reach the
+    controller. False: every request goes through the queue."""
 
     lane_pipes: bool = True
     """On Linux, a cell's request reaches each local rank, and its reply the notebook,

@@ -1,4 +1,4 @@
-"""The direct lane (cluster/lane.py, runtime/lane.py): cells and calls reach local ranks
+"""The direct lane (cluster/lane.py, runtime/lane.py): cells and calls reach the ranks
 over a socket of their own, not through the controller's queue, with the same output,
 values and errors; a rank that dies with a call outstanding fails it; a message not signed
 with the cluster's key is dropped; an engine that cannot join is served through the queue."""
@@ -650,3 +650,34 @@ def test_a_cell_that_waits_wakes_the_notebook_once_a_look_not_in_a_loop(live, mo
     live.run("import time\ntime.sleep(1.0)").raise_for_errors()
     looks = (time.monotonic() - started) / 0.05
     assert woke[0] <= 2 * looks + 10, (woke[0], looks)
+
+
+def test_the_lane_listens_where_the_controller_listens_for_its_engines(tmp_path):
+    """With ranks on other hosts the lane listens where the controller does (its engine
+    connection file): on its one address, or on every interface, reached at the
+    controller's location; a file written late is waited for, one that never comes says
+    so (the cluster then goes without a lane). The network itself: test_multihost.py."""
+    import json
+    import threading
+
+    from notebook_dist.cluster.engines import connection_file, engines_address
+
+    def write(cluster_id: str, interface: str, delay: float = 0.0) -> None:
+        path = connection_file(None, str(tmp_path), cluster_id, "engine")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        time.sleep(delay)
+        with open(path, "w") as f:
+            json.dump({"interface": interface, "location": "node0.example", "key": "k"}, f)
+
+    write("a", "tcp://10.1.2.3")
+    assert engines_address(str(tmp_path), "a") == ("10.1.2.3", "10.1.2.3")
+    write("b", "tcp://*")
+    assert engines_address(str(tmp_path), "b") == ("*", "node0.example")
+    late = threading.Thread(target=write, args=("c", "tcp://0.0.0.0", 0.3))
+    late.start()
+    try:
+        assert engines_address(str(tmp_path), "c", wait_s=10) == ("0.0.0.0", "node0.example")
+    finally:
+        late.join()
+    with pytest.raises(OSError, match="no engine connection file"):
+        engines_address(str(tmp_path), "never", wait_s=0.2)

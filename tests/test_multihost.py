@@ -422,8 +422,9 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
 
 def test_two_hosts_of_eight_ranks_each(hosts):
     """2 hosts x 8 ranks (issue "Scale"), each engine a fresh Python started over ssh: the
-    ranks in host order, a collective over all 16, the doctor naming the one rank (on the
-    second host) that skipped a collective, and nothing left on the hosts."""
+    ranks in host order, a collective over all 16, their cells by the lane over the
+    network (not the controller's queue), the doctor naming the one rank (on the second
+    host) that skipped a collective, and nothing left on the hosts."""
     import statistics
 
     import psutil
@@ -449,6 +450,14 @@ def test_two_hosts_of_eight_ranks_each(hosts):
             t1 = time.perf_counter()
             cluster.run("pass")
             cells.append(time.perf_counter() - t1)
+        # the cells took the lane, by the network: each host's own /tmp has none of the
+        # notebook's pipes, so every rank is on the express route's socket
+        lane = cluster.processes.lane
+        assert lane is not None and not lane.refused, "ranks on other hosts are not on the lane"
+        assert {cluster.processes.client._engines[r.engine_id] for r in cluster.ranks} <= (
+            lane.route.ready
+        )
+        assert not lane.route.pipes.to, "a rank on another host took a pipe of this machine"
         diag, out, verdict_s, _ = until_verdict(
             cluster, "t = torch.ones(1)\nif nd.rank != 11:\n    dist.all_reduce(t)\n", 3.0, 90
         )

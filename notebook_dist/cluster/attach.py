@@ -25,6 +25,7 @@ from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
 from . import DistCluster, engines
+from .engines import connection_file
 from .processes import Processes, stop_loop_thread
 from .ranks import remote_message
 
@@ -157,16 +158,6 @@ class AttachedCluster(DistCluster):
 
     def __del__(self):
         pass  # nothing of ours runs: the engines belong to their cluster
-
-
-def connection_file(profile: str | None, profile_dir: str | None, cluster_id: str | None) -> str:
-    """Where ipyparallel writes a running cluster's client connection file."""
-    if profile_dir is None:
-        from IPython.paths import get_ipython_dir
-
-        profile_dir = os.path.join(get_ipython_dir(), f"profile_{profile or 'default'}")
-    name = f"ipcontroller-{cluster_id}-client.json" if cluster_id else "ipcontroller-client.json"
-    return os.path.join(profile_dir, "security", name)
 
 
 def _connect(profile, profile_dir, cluster_id, timeout):

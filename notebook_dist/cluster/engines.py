@@ -42,6 +42,41 @@ def engine_cmd(
 REMOTE_HEARTBEAT_MISSES = 15
 
 
+def connection_file(
+    profile: str | None, profile_dir: str | None, cluster_id: str | None, kind: str = "client"
+) -> str:
+    """Where ipyparallel writes a running cluster's connection file for its clients
+    (``kind`` "client") or for its engines ("engine")."""
+    if profile_dir is None:
+        from IPython.paths import get_ipython_dir
+
+        profile_dir = os.path.join(get_ipython_dir(), f"profile_{profile or 'default'}")
+    name = f"ipcontroller-{cluster_id}-{kind}.json" if cluster_id else f"ipcontroller-{kind}.json"
+    return os.path.join(profile_dir, "security", name)
+
+
+def engines_address(profile_dir: str, cluster_id: str, wait_s: float = 5.0) -> tuple[str, str]:
+    """Where the cluster's controller listens for its engines, and where they reach it:
+    ``(ip, host)``, from its engine connection file (written just after the clients'; when
+    it listens on every interface, ``*``, the engines reach it at its ``location``).
+    OSError when the file does not come within ``wait_s``."""
+    import json
+
+    path = connection_file(None, profile_dir, cluster_id, "engine")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(path) as f:
+                info = json.load(f)
+            break
+        except (OSError, ValueError):  # (not there yet, or not whole)
+            if time.monotonic() > deadline:
+                raise OSError(f"no engine connection file at {path}") from None
+            time.sleep(0.005)
+    ip = info["interface"].partition("://")[2]
+    return ip, (info.get("location") or ip) if ip in ("*", "0.0.0.0") else ip
+
+
 def start_recorded(processes, n: int) -> tuple:
     """``n`` engines asked of the cluster's ipyparallel cluster (``processes``: its
     ``cluster.processes.Processes``), each process recorded and watched at once: their

@@ -1,5 +1,7 @@
-"""The direct lane: the notebook's calls on local ranks go to each engine over a socket of
-their own, not through the controller's queue (``runtime/lane.py`` is the rank's end).
+"""The direct lane: the notebook's calls on the ranks go to each engine over a socket of
+their own, not through the controller's queue (``runtime/lane.py`` is the rank's end). It
+listens on loopback when every rank is on this machine, else where the controller listens
+for its engines (``processes.open_lane``): ranks on other hosts reach it over the network.
 
 A cell on 2 ranks through ipyparallel's queue takes two process hops each way: the
 notebook's IO thread to the controller's queue, the queue to the engine, and back. The lane
@@ -39,7 +41,7 @@ import uuid
 from ..runtime.lane import Seal
 from . import engines
 from .express import ExpressResult
-from .route import ExpressRoute
+from .route import ExpressRoute, listening
 
 log = logging.getLogger("notebook_dist")
 
@@ -53,20 +55,26 @@ class Lane:
     #: that do not are served through the queue
     JOIN_S = 30.0
 
-    def __init__(self, client, ip: str, pipe_dir: str | None = None):
+    def __init__(self, client, ip: str, pipe_dir: str | None = None, host: str | None = None):
+        """``ip``: where its sockets listen (``*``: every interface); ``host``: where the
+        engines reach them (``ip`` when None)."""
         import zmq
 
         self.client = client
+        # (the cells' route; ``pipe_dir``: a new folder for its pipes, in one only the user
+        # can open)
+        self.route = ExpressRoute(client, ip, Seal(client.session), pipe_dir, host)
         socket = client._context.socket(zmq.ROUTER)
         socket.linger = 0
-        self.url = f"tcp://{ip}:{socket.bind_to_random_port(f'tcp://{ip}')}"
+        try:
+            self.url = listening(socket, ip, host)
+        except Exception:
+            self.route.close()
+            raise
         self._said = threading.Condition()
         self.ready: set[str] = set()  # engine uuids that said hello
         self.refused: set[int] = set()  # engine ids served through the queue
         self.stream = on_io_loop(client, lambda: self._stream(socket))
-        # (the cells' route; ``pipe_dir``: a new folder for its pipes, in one only the user
-        # can open)
-        self.route = ExpressRoute(client, ip, Seal(client.session), pipe_dir)
 
     def _stream(self, socket):
         from zmq.eventloop.zmqstream import ZMQStream

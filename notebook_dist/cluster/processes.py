@@ -101,12 +101,8 @@ class Processes:
         early = self.forks is not None and self.forks.forks_now(self.config.preloads(n))
         started = engines.start_recorded(self, n) if early else None
         self.client = client = cluster.connect_client_sync()
-        if self.config.direct_lane and self.config.loopback_only and not launcher.remote:
-            from .lane import Lane
-
-            pipes = os.path.join(self.profile_dir, "lane") if self.config.lane_pipes else None
-            self.lane = Lane(client, "127.0.0.1", pipes)
-            start_relay(self, n)
+        if self.config.direct_lane:
+            self.lane = open_lane(self, n)
         prepare_first_call()
         engine_set, launchers, _ = started or engines.start_recorded(self, n)
         wait_registered(
@@ -507,8 +503,30 @@ def start_fork_server(processes: Processes) -> None:
         processes.reaper.watch(proc)
 
 
-def start_relay(processes: Processes, n: int) -> None:
-    """The lane's relay (``cluster/relay.py``) for ``n`` ranks, if ``relay_from`` asks for
+def open_lane(processes: Processes, n: int):
+    """The cluster's direct lane (``cluster/lane.py``), and its relay if it is asked for.
+    On a cluster on this machine alone it listens on loopback; otherwise where the
+    controller listens for its engines, so that ranks on other hosts reach the notebook
+    where they reach the controller, and their cells no longer pass through its queue.
+    None when it cannot listen there (the queue carries every call, as without a lane)."""
+    from .lane import Lane
+
+    config = processes.config
+    pipes = os.path.join(processes.profile_dir, "lane") if config.lane_pipes else None
+    if config.loopback_only and not processes.launcher.remote:
+        lane = Lane(processes.client, "127.0.0.1", pipes)
+        start_relay(processes, lane, n)
+        return lane
+    try:
+        ip, host = engines.engines_address(processes.profile_dir, processes.cluster_id)
+        return Lane(processes.client, ip, pipes, host)
+    except Exception as exc:  # (zmq: an address this machine cannot listen on)
+        log.debug("no direct lane for this cluster: %s", exc)
+        return None
+
+
+def start_relay(processes: Processes, lane, n: int) -> None:
+    """The ``lane``'s relay (``cluster/relay.py``) for ``n`` ranks, if ``relay_from`` asks for
     one, recorded and watched as the controller is; without it (it did not start) the ranks
     are reached directly."""
     from .relay import RelayLink
@@ -519,7 +537,7 @@ def start_relay(processes: Processes, n: int) -> None:
         link = RelayLink.start(
             processes.config.python,
             processes.client.session,
-            processes.lane.route.url,
+            lane.route.url,
             "127.0.0.1",
         )
     except RuntimeError as exc:
@@ -528,7 +546,7 @@ def start_relay(processes: Processes, n: int) -> None:
     if link.record is not None:
         processes.started.append(link.record)
         processes.reaper.watch(link.record)
-    processes.lane.route.relay = link
+    lane.route.relay = link
 
 
 def fork_ahead(config: DistConfig):

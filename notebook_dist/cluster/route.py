@@ -61,10 +61,22 @@ def _output_in_reply(records, msg_id: str, body):
     return rest[4 + size :]
 
 
+def listening(socket, ip: str, host: str | None = None) -> str:
+    """``socket`` bound to a free port on ``ip`` (``*``: every interface); the address the
+    engines connect to, at ``host`` (``ip`` when None). A socket that cannot bind is closed:
+    an open one would keep its zmq context from ending."""
+    try:
+        port = socket.bind_to_random_port(f"tcp://{ip}")
+    except Exception:
+        socket.close(linger=0)
+        raise
+    return f"tcp://{host or ip}:{port}"
+
+
 class ExpressRoute:
     """The notebook's end of the express route, for one cluster's client."""
 
-    def __init__(self, client, ip: str, seal, pipe_dir: str | None = None):
+    def __init__(self, client, ip: str, seal, pipe_dir: str | None = None, host=None):
         import zmq
 
         self.client = client
@@ -72,7 +84,7 @@ class ExpressRoute:
         socket = client._context.socket(zmq.ROUTER)
         socket.linger = 0
         socket.router_mandatory = 1  # a request to an engine not connected fails at once
-        self.url = f"tcp://{ip}:{socket.bind_to_random_port(f'tcp://{ip}')}"
+        self.url = listening(socket, ip, host)
         self._socket = socket
         self.ready: set[str] = set()  # engine uuids that said hello on it
         self.pending: dict[str, object] = {}  # msg_id -> its express Reply

@@ -364,6 +364,9 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
         if c.status == "LISTEN"
     }
     assert listening == {f"{NET}.1", "127.0.0.1"}, listening
+    # and so does the notebook's lane, which the ranks on the hosts reach there
+    ours = {c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}
+    assert f"{NET}.1" in ours and ours <= {f"{NET}.1", "127.0.0.1"}, ours
 
     out = run(
         "%%distributed\nimport os, socket\nt = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\n"

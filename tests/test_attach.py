@@ -108,6 +108,11 @@ def test_attach_runs_ranks_and_leaves_the_engines_running(ipcluster, no_current,
     )
     assert out.error is None, out.output
     assert dict(out.result.result) == {0: (3.0, "0", "127.0.0.1"), 1: (3.0, "1", "127.0.0.1")}
+    # its cells took the lane, not the ipcluster's queue
+    processes = session.current().processes
+    lane = processes.lane
+    assert lane is not None and not lane.refused
+    assert {processes.client._engines[e] for e in processes.engine_ids} <= lane.route.ready
     # the engine's streams became a rank's (runtime.outstream.adopt): a cell's os.write is
     # that cell's output (1 line in 9 came late or not at all with ipykernel's own thread)
     for i in range(15):
@@ -134,9 +139,14 @@ def test_attach_runs_ranks_and_leaves_the_engines_running(ipcluster, no_current,
         # not block=True: that also waits, without end, for the engines' iopub 'idle', which a
         # client that has just connected can miss on a busy machine (a zmq subscription made
         # late); the reply is enough here
-        ar = c[:].execute("import torch.distributed as dist\nok = dist.is_initialized()")
+        ar = c[:].execute(
+            "import torch.distributed as dist\nok = dist.is_initialized()\n"
+            "from notebook_dist.runtime import lane\nlane_open = len(lane._STREAM)"
+        )
         ar.get(timeout=60)
         assert c[:].pull("ok", block=True) == [False, False]
+        # and they let go of the notebook's lane, which closed
+        assert c[:].pull("lane_open", block=True) == [0, 0]
     finally:
         c.close()
     out = run(f"%dist_init --profile {PROFILE} --cluster-id {cluster_id} -n 1")  # again, fewer

@@ -662,22 +662,25 @@ def test_the_lane_listens_where_the_controller_listens_for_its_engines(tmp_path)
 
     from notebook_dist.cluster.engines import connection_file, engines_address
 
+    def at(cluster_id: str) -> str:
+        return connection_file(None, str(tmp_path), cluster_id, "engine")
+
     def write(cluster_id: str, interface: str, delay: float = 0.0) -> None:
-        path = connection_file(None, str(tmp_path), cluster_id, "engine")
+        path = at(cluster_id)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         time.sleep(delay)
         with open(path, "w") as f:
             json.dump({"interface": interface, "location": "node0.example", "key": "k"}, f)
 
     write("a", "tcp://10.1.2.3")
-    assert engines_address(str(tmp_path), "a") == ("10.1.2.3", "10.1.2.3")
+    assert engines_address(at("a")) == ("10.1.2.3", "10.1.2.3")
     write("b", "tcp://*")
-    assert engines_address(str(tmp_path), "b") == ("*", "node0.example")
+    assert engines_address(at("b")) == ("*", "node0.example")
     late = threading.Thread(target=write, args=("c", "tcp://0.0.0.0", 0.3))
     late.start()
     try:
-        assert engines_address(str(tmp_path), "c", wait_s=10) == ("0.0.0.0", "node0.example")
+        assert engines_address(at("c"), wait_s=10) == ("0.0.0.0", "node0.example")
     finally:
         late.join()
     with pytest.raises(OSError, match="no engine connection file"):
-        engines_address(str(tmp_path), "never", wait_s=0.2)
+        engines_address(at("never"), wait_s=0.2)

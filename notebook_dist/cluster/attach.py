@@ -26,17 +26,21 @@ from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
 from . import DistCluster, engines
 from .engines import connection_file
-from .processes import Processes, stop_loop_thread
+from .processes import Processes, open_lane, stop_loop_thread
 from .ranks import remote_message
 
 
 class AttachedProcesses(Processes):
     """Engines someone else started: nothing to start, and nothing of theirs to stop."""
 
-    def __init__(self, config: DistConfig, launcher, client, engine_order: list[int]):
+    def __init__(
+        self, config: DistConfig, launcher, client, engine_order: list[int], attached=(None,) * 3
+    ):
         super().__init__(config, launcher)
         self.client = client
         self._order = engine_order
+        #: (profile, profile_dir, cluster_id) of the ipcluster attached to
+        self._attached = attached
         self.notes: list[str] = []
 
     def start(self, n: int, first_registered=None) -> None:
@@ -47,6 +51,8 @@ class AttachedProcesses(Processes):
         self.reaper = Reaper()
         self.reaper.remove_on_exit(self.profile_dir)
         self.engine_ids = list(self._order)
+        if self.config.direct_lane:  # (no engine file here: its controller runs elsewhere)
+            self.lane = open_lane(self, n, connection_file(*self._attached, "engine"), 0.0)
         return None
 
     def controller_alive(self) -> bool:
@@ -65,6 +71,8 @@ class AttachedProcesses(Processes):
                     client[alive].apply_sync(rt_bootstrap.detach)
                 except Exception as exc:  # a busy or lost engine: it keeps its group
                     self.notes.append(f"could not detach every rank: {remote_message(exc)}")
+            if self.lane is not None:
+                self.lane.close()
             with contextlib.suppress(Exception):
                 client.close()
             stop_loop_thread(client)
@@ -100,6 +108,7 @@ class AttachedCluster(DistCluster):
     ):
         config = config or DistConfig()
         config.loopback_only = not network
+        self._attach = (profile, profile_dir, cluster_id)
         client = _connect(profile, profile_dir, cluster_id, connect_timeout)
         try:
             ids = _engines(client, n, config.start_timeout_s)
@@ -133,7 +142,9 @@ class AttachedCluster(DistCluster):
         self.request.update(attach=(profile, profile_dir, cluster_id), network=network)
 
     def _processes(self) -> Processes:
-        return AttachedProcesses(self.config, self.launcher, self._client_ready, self._engine_order)
+        return AttachedProcesses(
+            self.config, self.launcher, self._client_ready, self._engine_order, self._attach
+        )
 
     def discard(self) -> None:
         if self.state == "new" and self.processes.client is not None:

@@ -55,14 +55,13 @@ def connection_file(
     return os.path.join(profile_dir, "security", name)
 
 
-def engines_address(profile_dir: str, cluster_id: str, wait_s: float = 5.0) -> tuple[str, str]:
-    """Where the cluster's controller listens for its engines, and where they reach it:
-    ``(ip, host)``, from its engine connection file (written just after the clients'; when
-    it listens on every interface, ``*``, the engines reach it at its ``location``).
-    OSError when the file does not come within ``wait_s``."""
+def engines_address(path: str, wait_s: float = 5.0) -> tuple[str, str]:
+    """Where a cluster's controller listens for its engines, and where they reach it:
+    ``(ip, host)``, from its engine connection file at ``path`` (written just after the
+    clients'; when it listens on every interface, ``*``, the engines reach it at its
+    ``location``). OSError when the file does not come within ``wait_s``."""
     import json
 
-    path = connection_file(None, profile_dir, cluster_id, "engine")
     deadline = time.monotonic() + wait_s
     while True:
         try:

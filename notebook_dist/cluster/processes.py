@@ -102,7 +102,8 @@ class Processes:
         started = engines.start_recorded(self, n) if early else None
         self.client = client = cluster.connect_client_sync()
         if self.config.direct_lane:
-            self.lane = open_lane(self, n)
+            engine_file = engines.connection_file(None, self.profile_dir, self.cluster_id, "engine")
+            self.lane = open_lane(self, n, engine_file)
         prepare_first_call()
         engine_set, launchers, _ = started or engines.start_recorded(self, n)
         wait_registered(
@@ -503,12 +504,13 @@ def start_fork_server(processes: Processes) -> None:
         processes.reaper.watch(proc)
 
 
-def open_lane(processes: Processes, n: int):
+def open_lane(processes: Processes, n: int, engine_file: str, wait_s: float = 5.0):
     """The cluster's direct lane (``cluster/lane.py``), and its relay if it is asked for.
     On a cluster on this machine alone it listens on loopback; otherwise where the
-    controller listens for its engines, so that ranks on other hosts reach the notebook
-    where they reach the controller, and their cells no longer pass through its queue.
-    None when it cannot listen there (the queue carries every call, as without a lane)."""
+    controller listens for its engines (its ``engine_file``, waited for ``wait_s``), so
+    that ranks on other hosts reach the notebook where they reach the controller, and
+    their cells no longer pass through its queue. None when it cannot listen there (the
+    queue carries every call, as without a lane)."""
     from .lane import Lane
 
     config = processes.config
@@ -518,7 +520,7 @@ def open_lane(processes: Processes, n: int):
         start_relay(processes, lane, n)
         return lane
     try:
-        ip, host = engines.engines_address(processes.profile_dir, processes.cluster_id)
+        ip, host = engines.engines_address(engine_file, wait_s)
         return Lane(processes.client, ip, pipes, host)
     except Exception as exc:  # (zmq: an address this machine cannot listen on)
         log.debug("no direct lane for this cluster: %s", exc)

@@ -275,4 +275,7 @@ def detach() -> None:
 
     if dist.is_available():
         group.destroy_default_group()
+    from .lane import disconnect
+
+    disconnect()  # (the notebook's lane is closing: nothing would answer on it)
     STATE.bootstrapped = False

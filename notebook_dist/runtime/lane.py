@@ -101,9 +101,7 @@ def connect(url: str, express_url: str | None = None, pipe_dir: str | None = Non
     kernel = get_ipython().kernel
     # a release shuts down the rank's Gloo connections, never the lane's
     STATE.extras["lane_ports"] = {int(u.rsplit(":", 1)[1]) for u in (url, express_url) if u}
-    for old in _STREAM:
-        old.close(linger=0)
-    _STREAM.clear()
+    disconnect()
     sock = _dealer(zmq, kernel, url)
     stream = ZMQStream(sock, kernel.io_loop)
     stream.on_recv(lambda frames: serve(kernel, sock, frames), copy=False)
@@ -117,6 +115,14 @@ def connect(url: str, express_url: str | None = None, pipe_dir: str | None = Non
             _join_pipes(kernel, xsock, pipe_dir)
         xsock.send(_seal(kernel.session).sealed(HELLO, kernel.ident.encode()))
     return kernel.ident
+
+
+def disconnect() -> None:
+    """Close this engine's end of the lane (its sockets, and its pipes): before it joins
+    again, or as it stops being a rank of a notebook that attached to it."""
+    for old in _STREAM:
+        old.close(linger=0)
+    _STREAM.clear()
 
 
 def _join_pipes(kernel, sock, pipe_dir: str) -> None:

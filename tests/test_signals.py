@@ -487,7 +487,7 @@ def _processes(kind: str, data, pool):
 
     if kind == "attached":  # someone else's engines: nothing started, nothing to end
         return AttachedProcesses(
-            DistConfig(), nd_launchers.Launcher(DistConfig()), _Client(), []
+            DistConfig(), nd_launchers.Launcher(DistConfig()), _Client(), [], (None,) * 3
         ), set()
     cls = {
         "local": nd_launchers.Launcher,

@@ -33,9 +33,7 @@ from .ranks import remote_message
 class AttachedProcesses(Processes):
     """Engines someone else started: nothing to start, and nothing of theirs to stop."""
 
-    def __init__(
-        self, config: DistConfig, launcher, client, engine_order: list[int], attached=(None,) * 3
-    ):
+    def __init__(self, config: DistConfig, launcher, client, engine_order: list[int], attached):
         super().__init__(config, launcher)
         self.client = client
         self._order = engine_order

@@ -137,7 +137,7 @@ class AttachedCluster(DistCluster):
             "cluster_id": cluster_id,
             "profile_dir": profile_dir,
         }
-        self.request.update(attach=(profile, profile_dir, cluster_id), network=network)
+        self.request.update(attach=self._attach, network=network)
 
     def _processes(self) -> Processes:
         return AttachedProcesses(

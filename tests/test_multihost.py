@@ -533,3 +533,46 @@ def test_after_every_ssh_rank_died_restart_and_shutdown_signal_only_their_own(
     assert out.error is None, out.output
     every_rank_dies_twice(run, signal_spy, bystanders)  # restart --replay over ssh, shutdown
     assert session.current() is None
+
+
+def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
+    """A host that goes dark (powered off, its network gone: here its link is down and the
+    bridge still sends to its address, so nothing answers, not even a refusal). The
+    shutdown ends, and every ssh it or ipyparallel's watch on each engine had under way
+    ends with it; before, ssh waited for TCP's own timeouts, 2 minutes for a connection and
+    for ever on one that was open, and ipyparallel's clean-up ran again at exit."""
+    import threading
+
+    import psutil
+
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    def ssh_children() -> list[int]:
+        return [p.pid for p in psutil.Process().children(recursive=True) if p.name() == "ssh"]
+
+    a, b = HOSTS.values()
+    opts = list(hosts["ssh_opts"])
+    config = DistConfig(loopback_only=False, ssh={"ssh_args": opts, "scp_args": opts})
+    cluster = DistCluster(
+        launcher="ssh", ssh_hosts={f"root@{a}": 1, f"root@{b}": 1}, config=config
+    ).start()
+    mac = sh("ip", "-n", "nd-node2", "-br", "link", "show", "eth0").stdout.split()[2]
+    try:
+        assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1}
+        assert any(t.name.startswith("wait(host=") for t in threading.enumerate())
+        sh("ip", "neigh", "replace", b, "lladdr", mac, "dev", BRIDGE, "nud", "permanent")
+        sh("ip", "-n", "nd-node2", "link", "set", "eth0", "down")
+        t0 = time.monotonic()
+        cluster.shutdown()
+        took = time.monotonic() - t0
+        left = ssh_children()
+        wait_until(lambda: not ssh_children(), 30)
+        assert not ssh_children(), f"ssh still running after the shutdown: {left}"
+        watching = [t.name for t in threading.enumerate() if t.name.startswith("wait(host=")]
+        assert not watching, f"ipyparallel still watches engines over ssh: {watching}"
+        assert not cluster.processes.ipp.shutdown_atexit  # (it would ask the hosts again)
+        print(f"a host gone dark: the shutdown took {took:.1f} s, ssh left at its end {left}")
+    finally:
+        sh("ip", "neigh", "del", b, "dev", BRIDGE, check=False)
+        sh("ip", "-n", "nd-node2", "link", "set", "eth0", "up", check=False)

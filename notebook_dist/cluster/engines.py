@@ -229,17 +229,36 @@ def on_hosts(calls: list) -> list:
 
 
 def remove_remote_dirs(launchers, also: str | None = None) -> None:
-    """Remove the folders ssh launchers made on each host: its profile folder and ``also``
-    (the cluster's own folder, which the ranks make there for their control files)."""
-    done = set()
+    """Remove the folders ssh launchers made on each host, the hosts side by side: its
+    profile folder and ``also`` (the cluster's own folder, which the ranks make there for
+    their control files). A folder gone already (a shared filesystem), or a host that no
+    longer answers, is passed over."""
+    calls, done = [], set()
     for el in launchers:
         if not by_ssh(el) or el._ssh_sender is None:
             continue
         for path in (el.remote_profile_dir, also):
             if path and (el.location, path) not in done:
                 done.add((el.location, path))
-                with contextlib.suppress(Exception):  # gone already (a shared filesystem)
-                    el.ssh_sender.cmd_rmdir(path)
+                calls.append((el, lambda el, path: el.ssh_sender.cmd_rmdir(path), path))
+    on_hosts(calls)  # (what failed is returned, not raised)
+
+
+def stop_watching(launchers, wait_s: float) -> None:
+    """End ipyparallel's watch on each engine on another host: a thread that asks the host
+    over ssh, again and again, whether the engine still runs, and that its stop ends only
+    once it saw the engine end. Each is told to stop, and its ssh call under way (bounded
+    by ``hosts.SSH_BOUNDS`` if the host stopped answering) is waited for, ``wait_s`` at
+    most in all: no ssh of a stopped cluster is left running, nor started as the kernel
+    ends."""
+    watched = [el for el in launchers if by_ssh(el) and getattr(el, "_stop_waiting", None)]
+    for el in watched:
+        el._stop_waiting.set()
+    end = time.monotonic() + wait_s
+    for el in watched:
+        thread = getattr(el, "_wait_thread", None)
+        if thread is not None:
+            thread.join(max(0.0, end - time.monotonic()))
 
 
 def describe_exit(code: int | None) -> str:

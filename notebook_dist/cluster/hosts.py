@@ -83,7 +83,26 @@ def ssh_settings(hosts: dict[str, int], config, profile_dir: str) -> dict:
         "delay": 0.0,
     }
     settings.update(config.ssh)
+    for key in ("ssh_args", "scp_args"):  # after the user's: ssh takes an option's first value
+        settings[key] = [*settings.get(key, ()), *SSH_BOUNDS]
     return settings
+
+
+#: ssh's own waits, bounded: a host that stops answering (powered off, its network gone)
+#: fails a new connection within ConnectTimeout, and ends an open one within
+#: ServerAliveInterval x ServerAliveCountMax (15 s), where TCP alone waits 2 minutes for a
+#: connection and for ever on one that is open (ipyparallel asks each host over ssh,
+#: again and again, whether its engine still runs). A shutdown then ends, and no ssh
+#: outlives it. ``--ssh "-o ConnectTimeout=60"`` sets another (these come before
+#: ~/.ssh/config, as any option given to ssh does)
+SSH_BOUNDS = (
+    "-o",
+    "ConnectTimeout=10",
+    "-o",
+    "ServerAliveInterval=5",
+    "-o",
+    "ServerAliveCountMax=3",
+)
 
 
 def ssh_destination_address(destination: str, ssh_args: list[str]) -> str:

@@ -263,10 +263,13 @@ class Processes:
         if self.client is not None:
             within(self.client.close, CLIENT_CLOSE_S, "ipyparallel's client closing")
         if self.ipp is not None:
+            # this is the cluster's stop: what it could not stop, we end below. ipyparallel's
+            # own at exit would ask each engine's host over ssh again, as the kernel ends
+            self.ipp.shutdown_atexit = False
             within(self.ipp.stop_cluster_sync, STOP_CLUSTER_S, "ipyparallel stopping the cluster")
             stop_loop_thread(self.ipp)
             engines.remove_remote_dirs(launchers, also=self.profile_dir)
-            self.ipp.shutdown_atexit = False  # what it could not stop, we end below
+            engines.stop_watching(launchers, STOP_WATCHING_S)
         if self.forks is not None:
             self.forks.close()
         # whatever ipyparallel did not stop, we do: only what was recorded as started here
@@ -288,6 +291,9 @@ class Processes:
 #: whatever it has not stopped by then is ended here by its record
 CLIENT_CLOSE_S = 5.0
 STOP_CLUSTER_S = 30.0
+#: how long a stop waits for ipyparallel's watch on each engine on another host to end
+#: (its ssh call under way: 15 s at most to a host that stopped answering)
+STOP_WATCHING_S = 20.0
 
 
 def within(call, wait_s: float, what: str) -> bool:

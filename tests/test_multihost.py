@@ -537,10 +537,11 @@ def test_after_every_ssh_rank_died_restart_and_shutdown_signal_only_their_own(
 
 def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
     """A host that goes dark (powered off, its network gone: here its link is down and the
-    bridge still sends to its address, so nothing answers, not even a refusal). The
-    shutdown ends, and every ssh it or ipyparallel's watch on each engine had under way
-    ends with it; before, ssh waited for TCP's own timeouts, 2 minutes for a connection and
-    for ever on one that was open, and ipyparallel's clean-up ran again at exit."""
+    bridge still sends to its address, so nothing answers, not even a refusal). ipyparallel's
+    watch on its engine (an ssh call open to the host) outlasts it without a traceback in
+    the notebook; the shutdown ends, and every ssh it or the watches had under way ends
+    with it. Before, ssh waited for TCP's own timeouts, 2 minutes for a connection and for
+    ever on one that was open, and ipyparallel's clean-up ran again at exit."""
     import threading
 
     import psutil
@@ -548,8 +549,12 @@ def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
     from notebook_dist import DistCluster
     from notebook_dist.config import DistConfig
 
-    def ssh_children() -> list[int]:
-        return [p.pid for p in psutil.Process().children(recursive=True) if p.name() == "ssh"]
+    def ssh_children(to: str = "") -> list[int]:
+        return [
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if p.name() == "ssh" and f"@{to}" in " ".join(p.cmdline())
+        ]
 
     a, b = HOSTS.values()
     opts = list(hosts["ssh_opts"])
@@ -560,9 +565,24 @@ def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
     mac = sh("ip", "-n", "nd-node2", "-br", "link", "show", "eth0").stdout.split()[2]
     try:
         assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1}
-        assert any(t.name.startswith("wait(host=") for t in threading.enumerate())
-        sh("ip", "neigh", "replace", b, "lladdr", mac, "dev", BRIDGE, "nud", "permanent")
-        sh("ip", "-n", "nd-node2", "link", "set", "eth0", "down")
+        watch = f"wait(host=root@{b}, pid={cluster.ranks[1].pid})"
+        assert watch in {t.name for t in threading.enumerate()}
+        failed: list[str] = []
+        hook = threading.excepthook
+        threading.excepthook = lambda args: failed.append(f"{args.thread.name}: {args.exc_value}")
+        try:
+            open_before = set(ssh_children(b))  # the watch's ssh call under way
+            assert open_before
+            sh("ip", "neigh", "replace", b, "lladdr", mac, "dev", BRIDGE, "nud", "permanent")
+            sh("ip", "-n", "nd-node2", "link", "set", "eth0", "down")
+            # ended by ssh's own bound (15 s without an answer)
+            wait_until(lambda: not open_before & set(ssh_children(b)), 40)
+            assert not open_before & set(ssh_children(b)), "ssh waits on a silent host"
+            time.sleep(1)
+            assert not failed, failed
+            assert watch in {t.name for t in threading.enumerate()}, "the watch ended"
+        finally:
+            threading.excepthook = hook
         t0 = time.monotonic()
         cluster.shutdown()
         took = time.monotonic() - t0
@@ -574,5 +594,6 @@ def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
         assert not cluster.processes.ipp.shutdown_atexit  # (it would ask the hosts again)
         print(f"a host gone dark: the shutdown took {took:.1f} s, ssh left at its end {left}")
     finally:
+        cluster.shutdown()  # (once only: a second call finds it stopped)
         sh("ip", "neigh", "del", b, "dev", BRIDGE, check=False)
         sh("ip", "-n", "nd-node2", "link", "set", "eth0", "up", check=False)

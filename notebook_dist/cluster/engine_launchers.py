@@ -15,6 +15,7 @@ from ipyparallel.cluster.launcher import (
     LocalEngineSetLauncher,
     MPIEngineSetLauncher,
     SlurmEngineSetLauncher,
+    SSHEngineLauncher,
     SSHEngineSetLauncher,
 )
 
@@ -88,6 +89,34 @@ class RankSlurmEngineSetLauncher(SlurmEngineSetLauncher):
             self.batch_template = "\n".join([first, *extra, rest])
 
 
+class RankSSHEngineLauncher(SSHEngineLauncher):
+    """One engine over ssh, whose watch (a thread of ipyparallel's asking the host over
+    ssh, again and again, whether the engine still runs) outlasts a host that stops
+    answering: ssh's own failure there (exit status 255: no connection, or one gone silent
+    within ``hosts.SSH_BOUNDS``) is read as not known yet, and the watch asks again after
+    :data:`SSH_RETRY_S`. ipyparallel's thread ended instead, its traceback printed in
+    whatever cell was running. Whether the rank lives is the heartbeat's to tell
+    (``Processes.dead_ranks``); the cluster's stop ends the watch."""
+
+    def wait_one(self, timeout):
+        import subprocess
+        import time
+
+        began = time.monotonic()
+        try:
+            return super().wait_one(timeout)
+        except subprocess.CalledProcessError as exc:
+            watch = getattr(self, "_wait_thread", None)
+            if exc.returncode != 255 or threading.current_thread() is not watch:
+                raise  # (a stop's own wait is told)
+            self._stop_waiting.wait(SSH_RETRY_S - (time.monotonic() - began))
+            raise TimeoutError(f"{self.location} did not answer over ssh") from None
+
+
+#: how often the watch on an engine over ssh asks a host that does not answer again
+SSH_RETRY_S = 5.0
+
+
 class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
     """Engines started over ssh, ``engines`` of them per host (``%dist_init --launcher ssh
     --hosts``); ipyparallel copies the engine connection file to each host first.
@@ -95,6 +124,8 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
     Hosts are started side by side (ipyparallel starts one engine after another, each
     a few ssh round trips): start-up then grows with the engines per host, not with the
     size of the cluster."""
+
+    launcher_class = RankSSHEngineLauncher
 
     def start(self, n=None):
         from concurrent.futures import ThreadPoolExecutor

@@ -244,21 +244,29 @@ def remove_remote_dirs(launchers, also: str | None = None) -> None:
     on_hosts(calls)  # (what failed is returned, not raised)
 
 
-def stop_watching(launchers, wait_s: float) -> None:
-    """End ipyparallel's watch on each engine on another host: a thread that asks the host
-    over ssh, again and again, whether the engine still runs, and that its stop ends only
-    once it saw the engine end. Each is told to stop, and its ssh call under way (bounded
-    by ``hosts.SSH_BOUNDS`` if the host stopped answering) is waited for, ``wait_s`` at
-    most in all: no ssh of a stopped cluster is left running, nor started as the kernel
-    ends."""
-    watched = [el for el in launchers if by_ssh(el) and getattr(el, "_stop_waiting", None)]
-    for el in watched:
-        el._stop_waiting.set()
+def stop_watching(launchers) -> list:
+    """Tell ipyparallel's watch on each engine on another host to stop: a thread that asks
+    the host over ssh, again and again, whether the engine still runs, and that ipyparallel
+    ends only once it saw the engine end. Told at the start of a cluster's stop, each ends
+    once its ssh call under way returns (bounded by ``hosts.SSH_BOUNDS`` for a host that
+    stopped answering) while the cluster stops. Returns the watches' threads, for
+    :func:`watches_ended`."""
+    threads = []
+    for el in launchers:
+        if by_ssh(el) and getattr(el, "_stop_waiting", None) is not None:
+            el._stop_waiting.set()
+            threads.append(getattr(el, "_wait_thread", None))
+    return [t for t in threads if t is not None]
+
+
+def watches_ended(threads: list, wait_s: float) -> bool:
+    """Wait for the watches :func:`stop_watching` stopped, ``wait_s`` at most in all: no
+    ssh of a stopped cluster is left running, nor started as the kernel ends. Whether they
+    all ended."""
     end = time.monotonic() + wait_s
-    for el in watched:
-        thread = getattr(el, "_wait_thread", None)
-        if thread is not None:
-            thread.join(max(0.0, end - time.monotonic()))
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 def describe_exit(code: int | None) -> str:

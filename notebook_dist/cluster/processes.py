@@ -266,10 +266,11 @@ class Processes:
             # this is the cluster's stop: what it could not stop, we end below. ipyparallel's
             # own at exit would ask each engine's host over ssh again, as the kernel ends
             self.ipp.shutdown_atexit = False
+            watches = engines.stop_watching(launchers)
             within(self.ipp.stop_cluster_sync, STOP_CLUSTER_S, "ipyparallel stopping the cluster")
             stop_loop_thread(self.ipp)
             engines.remove_remote_dirs(launchers, also=self.profile_dir)
-            engines.stop_watching(launchers, STOP_WATCHING_S)
+            engines.watches_ended(watches, STOP_WATCHING_S)
         if self.forks is not None:
             self.forks.close()
         # whatever ipyparallel did not stop, we do: only what was recorded as started here

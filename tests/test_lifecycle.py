@@ -80,6 +80,49 @@ def test_kernel_restart_stops_the_cluster_and_the_new_kernel_starts_clean(tmp_pa
         assert reply["content"]["status"] == "ok", reply["content"]
 
 
+def test_a_script_that_never_shuts_its_cluster_down_ends_and_leaves_nothing(tmp_path):
+    """A script that starts a cluster and ends without ``shutdown()``, the cluster held
+    to the interpreter's very end (here by a reference cycle; a test framework's kept
+    traceback does the same). The interpreter ends, the cluster with it. Before, the
+    cluster was collected where no thread can start any more, and its stop waited for
+    one for ever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import gc\n"
+        "from notebook_dist import DistCluster\n"
+        "gc.disable()  # the cycle is collected only at the interpreter's end\n"
+        "class Holder:\n"
+        "    pass\n"
+        "h = Holder()\n"
+        "h.me = h\n"
+        "h.cluster = DistCluster(n=2).start()\n"
+        "p = h.cluster.processes\n"
+        "print('PIDS', *[r.pid for r in h.cluster.ranks], p.ipp.controller.pid, "
+        "p.reaper.proc.pid, p.forks.pid, flush=True)\n"
+        "del h, p\n"
+    )
+    env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
+    )
+    pids: list[int] = []
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("PIDS"), first
+        pids = [int(p) for p in first.split()[1:]]
+        assert proc.wait(timeout=60) == 0
+        assert _wait_gone(pids, 10.0) == []
+    finally:
+        if proc.poll() is None:  # (the hang: the script and what it started are ended here)
+            proc.kill()
+            proc.wait()
+        for pid in pids_alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_shutdown_and_dead_rank_report():
     from notebook_dist import DistCluster
     from notebook_dist.errors import ClusterError

@@ -22,9 +22,12 @@ change when engines restart).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
+import sys
 import time
+import weakref
 from typing import Any
 
 from .. import signals
@@ -50,6 +53,24 @@ from .processes import (
 from .ranks import RankInfo
 
 __all__ = ["DistCluster", "RankInfo", "free_port"]
+
+#: the clusters started here and not shut down yet, shut down as the interpreter exits (a
+#: script that never called ``shutdown()``), before ipyparallel's own clean-up. Garbage
+#: collection at the interpreter's very end comes too late: no thread starts there, and a
+#: stop that started one (``processes.within``) waited for it for ever
+RUNNING: weakref.WeakSet = weakref.WeakSet()
+
+
+def stop_at_exit(cluster) -> None:
+    RUNNING.add(cluster)
+    atexit.unregister(shutdown_running)  # registered last: run first (atexit runs the last first)
+    atexit.register(shutdown_running)
+
+
+def shutdown_running() -> None:
+    for cluster in list(RUNNING):
+        with contextlib.suppress(Exception):
+            cluster.shutdown()
 
 
 def _request(n, backend, gpus, port, launcher, config: DistConfig) -> dict[str, Any]:
@@ -194,6 +215,7 @@ class DistCluster:
             raise
         self.startup_s = time.perf_counter() - t0
         self.state = "running"
+        stop_at_exit(self)
         self.processes.pool.fill_later(self.config.spares_after_s)  # in the background
         if self.config.loopback_only:  # every rank is on this machine: tensors go through tmpfs
             self.shm_dir = shm_dir_for(self.cluster_id)
@@ -228,8 +250,9 @@ class DistCluster:
         self.shutdown()
 
     def __del__(self):
-        # a garbage-collected cluster must not leave processes behind
-        if getattr(self, "state", "stopped") in ("running", "starting"):
+        # a garbage-collected cluster must not leave processes behind (at the interpreter's
+        # end no thread starts, and the stop would wait for one: stopped at exit instead)
+        if getattr(self, "state", "stopped") in ("running", "starting") and not sys.is_finalizing():
             try:
                 self.shutdown()
             except Exception:

@@ -257,6 +257,19 @@ def ssh_cluster(hosts, ip):
             )
 
 
+def ranks_on_both_hosts(hosts, each: int):
+    """A cluster (the Python API) of ``each`` ranks on each host, started over ssh."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+
+    opts = list(hosts["ssh_opts"])
+    config = DistConfig(loopback_only=False, ssh={"ssh_args": opts, "scp_args": opts})
+    a, b = HOSTS.values()
+    return DistCluster(
+        launcher="ssh", ssh_hosts={f"root@{a}": each, f"root@{b}": each}, config=config
+    ).start()
+
+
 def test_control_files_on_other_hosts_are_written_and_read_side_by_side():
     """A release or a rebuild's steps wait on ssh once per host: those hosts side by side
     (two remote calls meet at a barrier that one after another never would), this machine's
@@ -433,16 +446,8 @@ def test_two_hosts_of_eight_ranks_each(hosts):
     import psutil
     from conftest import until_verdict
 
-    from notebook_dist import DistCluster
-    from notebook_dist.config import DistConfig
-
-    a, b = HOSTS.values()
-    opts = list(hosts["ssh_opts"])
-    config = DistConfig(loopback_only=False, ssh={"ssh_args": opts, "scp_args": opts})
     t0 = time.monotonic()
-    cluster = DistCluster(
-        launcher="ssh", ssh_hosts={f"root@{a}": 8, f"root@{b}": 8}, config=config
-    ).start()
+    cluster = ranks_on_both_hosts(hosts, 8)
     started = time.monotonic() - t0
     try:
         assert [r.host for r in cluster.ranks] == ["node1"] * 8 + ["node2"] * 8
@@ -486,16 +491,9 @@ def test_ssh_ranks_end_when_their_controller_dies(hosts):
     hosts, which no local pid reaches, must then end by themselves (heartbeat lost)."""
     import psutil
 
-    from notebook_dist import DistCluster
     from notebook_dist.cluster.engines import REMOTE_HEARTBEAT_MISSES
-    from notebook_dist.config import DistConfig
 
-    a, b = HOSTS.values()
-    opts = list(hosts["ssh_opts"])
-    config = DistConfig(loopback_only=False, ssh={"ssh_args": opts, "scp_args": opts})
-    cluster = DistCluster(
-        launcher="ssh", ssh_hosts={f"root@{a}": 1, f"root@{b}": 1}, config=config
-    ).start()
+    cluster = ranks_on_both_hosts(hosts, 1)
     try:
         pids = [r.pid for r in cluster.ranks]
         assert [r.host for r in cluster.ranks] == ["node1", "node2"]
@@ -546,9 +544,6 @@ def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
 
     import psutil
 
-    from notebook_dist import DistCluster
-    from notebook_dist.config import DistConfig
-
     def ssh_children(to: str = "") -> list[int]:
         return [
             p.pid
@@ -556,12 +551,8 @@ def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
             if p.name() == "ssh" and f"@{to}" in " ".join(p.cmdline())
         ]
 
-    a, b = HOSTS.values()
-    opts = list(hosts["ssh_opts"])
-    config = DistConfig(loopback_only=False, ssh={"ssh_args": opts, "scp_args": opts})
-    cluster = DistCluster(
-        launcher="ssh", ssh_hosts={f"root@{a}": 1, f"root@{b}": 1}, config=config
-    ).start()
+    b = HOSTS["node2"]
+    cluster = ranks_on_both_hosts(hosts, 1)
     mac = sh("ip", "-n", "nd-node2", "-br", "link", "show", "eth0").stdout.split()[2]
     try:
         assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1}

@@ -533,6 +533,34 @@ def test_after_every_ssh_rank_died_restart_and_shutdown_signal_only_their_own(
     assert session.current() is None
 
 
+def test_a_host_that_cannot_be_reached_is_named_and_nothing_is_left_on_the_others(hosts):
+    """One of the hosts asked for is not there (no machine has its address): the start
+    fails within ssh's own bound, says which host, and leaves nothing running on the
+    host that was there."""
+    from notebook_dist import DistCluster
+    from notebook_dist.config import DistConfig
+    from notebook_dist.errors import ClusterError
+
+    def engines_on_node1() -> list[int]:
+        pids = sh("ip", "netns", "pids", "nd-node1").stdout.split()
+        return [int(p) for p in pids if "runtime.engine" in Path(f"/proc/{p}/cmdline").read_text()]
+
+    a, absent = HOSTS["node1"], f"{NET}.99"
+    opts = list(hosts["ssh_opts"])
+    config = DistConfig(loopback_only=False, ssh={"ssh_args": opts, "scp_args": opts})
+    cluster = DistCluster(
+        launcher="ssh", ssh_hosts={f"root@{a}": 1, f"root@{absent}": 1}, config=config
+    )
+    with pytest.raises(ClusterError) as info:
+        cluster.start()
+    said = str(info.value)
+    assert f"could not start the engines on root@{absent} over ssh" in said, said
+    assert f"root@{a}" not in said, said
+    wait_until(lambda: not engines_on_node1(), 5)
+    assert not engines_on_node1(), "an engine was left on the host that was there"
+    print(f"a host not there: {said[:120]}")
+
+
 def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
     """A host that goes dark (powered off, its network gone: here its link is down and the
     bridge still sends to its address, so nothing answers, not even a refusal). ipyparallel's

@@ -236,12 +236,15 @@ class SSHLauncher(Launcher):
         return hosts.address_towards(next(iter(self.hosts)), self.config)
 
     def start_failed(self, exc, ipp_cluster):
+        missing = {}  # the hosts whose engines did not start, in --hosts order
         for es in ipp_cluster.engines.values():  # stop only the engines that did start
             for key, el in list(es.launchers.items()):
                 if el.pid <= 0:
+                    missing[el.location] = None
                     del es.launchers[key]
+        where = f" on {', '.join(missing)}" if missing else ""
         return ClusterError(  # ssh could not log in, or the host has no such Python
-            f"could not start the engines over ssh: {exc}. Check that `ssh HOST` works "
+            f"could not start the engines{where} over ssh: {exc}. Check that `ssh HOST` works "
             f"without a password (add options with --ssh) and that {self.config.python} "
             "on each host has notebook_dist and torch (DistConfig.python)"
         )

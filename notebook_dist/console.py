@@ -5,8 +5,9 @@ in an ordinary cell is (JupyterLab's input box), with the rank in the prompt:
 
 From ``phrases.COMPACT_FROM`` ranks, the ranks stopped alike (the same prompt at the same
 line) are asked once, ``[ranks 0-15] (Pdb) ``, and the line goes to each of them (their
-output folds as their lines do): at 16 ranks one prompt, not 16. The console waits up to
-``GATHER_S`` for the other ranks to stop too before it asks.
+output folds as their lines do): at 16 ranks one prompt, not 16. Before it asks, the console
+waits for the other ranks to stop too: until no further rank has stopped for ``GATHER_S``
+(a busy machine brings the last ranks late), and ``GATHER_MAX_S`` at most from the first.
 
 When several ranks are stopped at once, a line that starts with ``:`` is the console's:
 
@@ -27,9 +28,11 @@ from collections.abc import Callable
 
 from .phrases import COMPACT_FROM, alike, each_rank, rank_list
 
-#: how long the console waits for the other ranks to stop too, before it asks those
-#: stopped alike (a cell on ``COMPACT_FROM`` ranks or more)
+#: how long the console waits after the last rank that stopped for the other ranks to stop
+#: too, before it asks those stopped alike (a cell on ``COMPACT_FROM`` ranks or more)
 GATHER_S = 0.5
+#: the longest it waits so, from the first rank's stop (a rank that never stops)
+GATHER_MAX_S = 3.0
 QUIT = ("q", "quit", "exit")
 #: commands after which a rank runs on: the console may turn to another rank
 GOES_ON = ("c", "cont", "continue", *QUIT)
@@ -53,9 +56,10 @@ class Console:
         self.quit_by: int | None = None
         self.no_stdin = False
         self.told = False  # the note on how to answer several ranks at once was said
-        #: many ranks: the ranks last asked as one, whose next prompts are gathered, and
-        #: since when a rank has waited unasked
+        #: many ranks: the ranks last asked as one, whose next prompts are gathered; since
+        #: when a rank has waited unasked, and when the last of those waiting stopped
         self.group: list[int] | None = None
+        self.last: tuple[int, float] = (0, 0.0)  # (how many waited, since when)
         self.since: float | None = None
         self.before: Callable[[], None] | None = None
 
@@ -103,16 +107,19 @@ class Console:
 
     def _serve_alike(self, views, waiting: dict[int, dict]) -> bool:
         """Many ranks: ask the ranks stopped alike (the lowest rank's kind) once, when the
-        ranks expected to stop (those asked last, else every running rank) all have, or
-        after ``GATHER_S``; the line goes to each of them."""
+        ranks expected to stop (those asked last, else every running rank) all have, or when
+        none has stopped for ``GATHER_S`` (``GATHER_MAX_S`` at most); the line goes to each."""
         running = [r for r, v in views.items() if v.status == "running"]
         if not waiting:
             self.since = None
             return any(views[r].snap.get("asking") for r in running)
         now = time.monotonic()
+        if self.since is None or len(waiting) != self.last[0]:
+            self.last = (len(waiting), now)  # (a rank stopped since)
         self.since = self.since or now
         expected = [r for r in (self.group or running) if r in running]
-        if any(r not in waiting for r in expected) and now - self.since < GATHER_S:
+        quiet = now - self.last[1] >= GATHER_S or now - self.since >= GATHER_MAX_S
+        if any(r not in waiting for r in expected) and not quiet:
             return True  # the others may stop too: asked together
         self.since = None
         same = alike(sorted(waiting), key=lambda r: _stop(waiting[r]))

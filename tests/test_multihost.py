@@ -573,11 +573,13 @@ def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
     import psutil
 
     def ssh_children(to: str = "") -> list[int]:
-        return [
-            p.pid
-            for p in psutil.Process().children(recursive=True)
-            if p.name() == "ssh" and f"@{to}" in " ".join(p.cmdline())
-        ]
+        def to_host(p) -> bool:
+            try:
+                return p.name() == "ssh" and f"@{to}" in " ".join(p.cmdline())
+            except (psutil.Error, OSError):
+                return False  # (ended meanwhile)
+
+        return [p.pid for p in psutil.Process().children(recursive=True) if to_host(p)]
 
     b = HOSTS["node2"]
     cluster = ranks_on_both_hosts(hosts, 1)
@@ -602,9 +604,24 @@ def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
             assert watch in {t.name for t in threading.enumerate()}, "the watch ended"
         finally:
             threading.excepthook = hook
+        # the stop passes the dark host over: no signal, wait, output or folder asked
+        # of it over ssh (each waited out ssh's bound, 10 s, before); the watch's call
+        # under way ends by its bound (and one more may have begun as the stop began)
+        seen, stopping = set(ssh_children(b)), threading.Event()
+
+        def look():
+            while not stopping.wait(0.05):
+                seen.update(ssh_children(b))
+
+        looking = threading.Thread(target=look, daemon=True)
+        looking.start()
+        before = set(seen)
         t0 = time.monotonic()
         cluster.shutdown()
         took = time.monotonic() - t0
+        stopping.set()
+        looking.join()
+        assert len(seen - before) <= 1, f"the stop asked the dark host: {seen - before}"
         left = ssh_children()
         wait_until(lambda: not ssh_children(), 30)
         assert not ssh_children(), f"ssh still running after the shutdown: {left}"

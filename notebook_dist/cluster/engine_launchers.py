@@ -8,7 +8,9 @@ import ipyparallel's launchers, so a fork server can start first (``forks.start_
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
+import time
 
 from ipyparallel.cluster.launcher import (
     LocalEngineLauncher,
@@ -70,8 +72,6 @@ class RankSlurmEngineSetLauncher(SlurmEngineSetLauncher):
 
     def _run_command(self, command, **kwargs):
         """As ipyparallel's, but what sbatch/scancel say on stderr reaches the error."""
-        import subprocess
-
         done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, **kwargs)
         if done.returncode != 0:
             raise subprocess.CalledProcessError(
@@ -96,21 +96,62 @@ class RankSSHEngineLauncher(SSHEngineLauncher):
     within ``hosts.SSH_BOUNDS``) is read as not known yet, and the watch asks again after
     :data:`SSH_RETRY_S`. ipyparallel's thread ended instead, its traceback printed in
     whatever cell was running. Whether the rank lives is the heartbeat's to tell
-    (``Processes.dead_ranks``); the cluster's stop ends the watch."""
+    (``Processes.dead_ranks``); the cluster's stop ends the watch.
+
+    A host found not answering is marked ``dark`` (a set the engine set's launchers
+    share), until ssh reaches it again: the stop passes it over (its signal, its wait, its
+    output, its folders) rather than wait out ssh's bound on each, three for each engine.
+    An engine there that lives on ends itself once the controller's heartbeat is gone
+    (``engines.REMOTE_HEARTBEAT_MISSES``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dark: set[str] = set()  # (the engine set gives the one its launchers share)
 
     def wait_one(self, timeout):
-        import subprocess
-        import time
-
         began = time.monotonic()
+        watching = threading.current_thread() is getattr(self, "_wait_thread", None)
+        if not watching and self.location in self.dark:
+            raise TimeoutError(f"{self.location} does not answer over ssh")
         try:
-            return super().wait_one(timeout)
+            return self._over_ssh(super().wait_one, timeout)
         except subprocess.CalledProcessError as exc:
-            watch = getattr(self, "_wait_thread", None)
-            if exc.returncode != 255 or threading.current_thread() is not watch:
+            if exc.returncode != 255 or not watching:
                 raise  # (a stop's own wait is told)
             self._stop_waiting.wait(SSH_RETRY_S - (time.monotonic() - began))
             raise TimeoutError(f"{self.location} did not answer over ssh") from None
+
+    def signal(self, sig):
+        if self.location in self.dark:
+            self.log.info("not signalling engine %s: %s does not answer", self.pid, self.location)
+            return
+        self._over_ssh(super().signal, sig)
+
+    async def join(self, timeout=None):
+        if self.location in self.dark:
+            self._stop_waiting.set()  # (ended by the stop's ``engines.watches_ended``)
+            return
+        await super().join(timeout)
+
+    def get_output(self, remove=False):
+        if self._output is None and self.location in self.dark:
+            self._output = ""
+        return super().get_output(remove)
+
+    def _over_ssh(self, call, *args):
+        """``call(*args)``, which runs ssh: ssh's own failure marks the host dark, and an
+        answer (a result, or the engine still running) marks it not."""
+        try:
+            out = call(*args)
+        except subprocess.CalledProcessError as exc:
+            if exc.returncode == 255:
+                self.dark.add(self.location)
+            raise
+        except TimeoutError:
+            self.dark.discard(self.location)  # (it answered: still running)
+            raise
+        self.dark.discard(self.location)
+        return out
 
 
 #: how often the watch on an engine over ssh asks a host that does not answer again
@@ -135,6 +176,7 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
         ) - {"location", "user", "hostname", "to_send", "to_fetch"} | {"profile_dir", "cluster_id"}
         shared = {t: getattr(self, t) for t in inherited}
         groups = []
+        self.dark: set[str] = set()  # hosts found not answering over ssh
         for h, (dest, count) in enumerate(self.engines.items()):
             user, _, host = dest.rpartition("@")
             group = []
@@ -154,6 +196,7 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
                         ),
                     ),
                 )
+                el.dark = self.dark
                 if i:
                     el.to_send = []  # the first engine on a host sends the connection file
                 el.on_stop(self._notice_engine_stopped)

@@ -232,10 +232,11 @@ def remove_remote_dirs(launchers, also: str | None = None) -> None:
     """Remove the folders ssh launchers made on each host, the hosts side by side: its
     profile folder and ``also`` (the cluster's own folder, which the ranks make there for
     their control files). A folder gone already (a shared filesystem), or a host that no
-    longer answers, is passed over."""
+    longer answers, is passed over; one found not answering before (``el.dark``) is not
+    asked."""
     calls, done = [], set()
     for el in launchers:
-        if not by_ssh(el) or el._ssh_sender is None:
+        if not by_ssh(el) or el._ssh_sender is None or el.location in getattr(el, "dark", ()):
             continue
         for path in (el.remote_profile_dir, also):
             if path and (el.location, path) not in done:

@@ -8,6 +8,7 @@ NOTEBOOK_DIST_REQUIRE_MULTIHOST=1, so there this must run; elsewhere it skips an
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -436,7 +437,7 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
     assert not left, f"folders left on the hosts: {left}"
 
 
-def test_two_hosts_of_eight_ranks_each(hosts):
+def test_two_hosts_of_eight_ranks_each(hosts, caplog):
     """2 hosts x 8 ranks (issue "Scale"), each engine a fresh Python started over ssh: the
     ranks in host order, a collective over all 16, their cells by the lane over the
     network (not the controller's queue), the doctor naming the one rank (on the second
@@ -480,6 +481,14 @@ def test_two_hosts_of_eight_ranks_each(hosts):
             "the cell began (hang-after 3 s)"
         )
         pids = [r.pid for r in cluster.ranks]
+        # each host's engines stopped by one ssh call: ipyparallel's four round trips an
+        # engine, one engine after another, ran past the stop's bound and were given up on
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="notebook_dist"):
+            cluster.shutdown()
+        print(f"the shutdown took {time.monotonic() - t0:.1f} s")
+        given_up = [r.getMessage() for r in caplog.records if "did not end within" in r.msg]
+        assert not given_up, given_up
     finally:
         cluster.shutdown()
     wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 30)

@@ -215,6 +215,65 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
         self.notify_start(list(self.launchers))
         return list(self.launchers)
 
+    async def stop(self):
+        """Each host's engines stopped with one ssh call, the hosts side by side: TERM,
+        wait, KILL those left (:data:`STOP_ON_HOST`). ipyparallel's stop makes four ssh
+        round trips an engine, one engine after another (its signal, its wait, its output
+        fetched, then removed): 16 engines on 2 hosts took past the stop's 30 s here. The
+        engines' output is not fetched: the cluster's stop removes their folders. A host
+        whose call failed but answers gets ipyparallel's stop of each engine; one found not
+        answering is passed over (``RankSSHEngineLauncher.dark``)."""
+        import asyncio
+
+        hosts: dict[str, list] = {}
+        for el in list(self.launchers.values()):
+            el._output = el._output if el._output is not None else ""
+            if el.state == "running" and el.location not in self.dark:
+                hosts.setdefault(el.location, []).append(el)
+
+        def stop_host(els: list) -> None:
+            code = STOP_ON_HOST.format(
+                pids=[el.pid for el in els], term_s=self.stop_seconds_until_kill, kill_s=2
+            )
+            els[0]._over_ssh(els[0].ssh_sender.check_output_python_code, code)
+
+        tried = [asyncio.to_thread(stop_host, els) for els in hosts.values()]
+        failed = await asyncio.gather(*tried, return_exceptions=True)
+        for els, error in zip(hosts.values(), failed):
+            if isinstance(error, BaseException) and els[0].location not in self.dark:
+                self.log.debug("stopping the engines on %s failed: %r", els[0].location, error)
+                await asyncio.gather(*(el.stop() for el in els), return_exceptions=True)
+        for el in list(self.launchers.values()):
+            if getattr(el, "_stop_waiting", None) is not None:
+                el._stop_waiting.set()  # (its watch sees the engine end, or is told to)
+
+
+#: what stops a host's engines, run there by its Python over ssh: each one's process
+#: looked up by pid (psutil, which ipyparallel needs on the hosts, checks it is the same
+#: process when it signals), TERM, ``term_s`` for them to end, then KILL
+STOP_ON_HOST = """
+import psutil
+procs = []
+for pid in {pids!r}:
+    try:
+        procs.append(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        pass
+for p in procs:
+    try:
+        p.terminate()
+    except psutil.NoSuchProcess:
+        pass
+gone, left = psutil.wait_procs(procs, timeout={term_s!r})
+for p in left:
+    try:
+        p.kill()
+    except psutil.NoSuchProcess:
+        pass
+psutil.wait_procs(left, timeout={kill_s!r})
+print("__killed=%d__" % len(left))
+"""
+
 
 class ForkedEngineLauncher(RankEngineLauncher):
     """One engine, forked by the cluster's fork server."""

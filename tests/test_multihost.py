@@ -448,9 +448,21 @@ def test_two_hosts_of_eight_ranks_each(hosts, caplog):
     from conftest import until_verdict
 
     t0 = time.monotonic()
-    cluster = ranks_on_both_hosts(hosts, 8)
+    with caplog.at_level(logging.DEBUG, logger="notebook_dist"):
+        cluster = ranks_on_both_hosts(hosts, 8)
     started = time.monotonic() - t0
     try:
+        # ssh and scp calls (ipyparallel's launchers log each; the watches' aside): a
+        # host's first engine checks the host and sends the connection files (8 calls),
+        # each other engine is one call. ipyparallel's start made 4 an engine (72 here)
+        calls = [
+            r
+            for r in caplog.records
+            if r.msg.startswith(("check_output", "Checking if", "sending", "fetching"))
+            and not r.threadName.startswith("wait(")
+        ]
+        assert len(calls) <= 2 * 10 + 14, len(calls)
+        caplog.clear()
         assert [r.host for r in cluster.ranks] == ["node1"] * 8 + ["node2"] * 8
         r = cluster.run("t = torch.ones(1) * (nd.rank + 1)\ndist.all_reduce(t)\nfloat(t)")
         assert set(r.values.values()) == {136.0}  # 1 + 2 + ... + 16

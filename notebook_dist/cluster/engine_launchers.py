@@ -107,6 +107,28 @@ class RankSSHEngineLauncher(SSHEngineLauncher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.dark: set[str] = set()  # (the engine set gives the one its launchers share)
+        #: the launcher of the first engine on this host, once it started: its ssh found
+        #: the host's shell and Python and made the profile's folder there
+        self.first_on_host: RankSSHEngineLauncher | None = None
+
+    def start(self, hostname=None, user=None, port=None):
+        """ipyparallel's start asks the host its shell, runs its Python, makes the
+        profile's folder, then starts the engine: four ssh round trips an engine. After the
+        host's first engine only the start is left to do, with the first one's ssh."""
+        first = self.first_on_host
+        if first is None or first._ssh_sender is None or port is not None:
+            return super().start(hostname=hostname, user=user, port=port)
+        self.hostname, self.user = hostname or self.hostname, user or self.user
+        self._ssh_sender = first._ssh_sender  # (its calls only read what it found)
+        self.send_files()
+        self.pid = self.ssh_sender.cmd_start(
+            self.program + self.program_args,
+            env=self.get_env(),
+            output_file=self.remote_output_file,
+        )
+        self.notify_start({"host": self.location, "pid": self.pid})
+        self._start_waiting()
+        self.fetch_files()
 
     def wait_one(self, timeout):
         began = time.monotonic()
@@ -163,8 +185,8 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
     --hosts``); ipyparallel copies the engine connection file to each host first.
 
     Hosts are started side by side (ipyparallel starts one engine after another, each
-    a few ssh round trips): start-up then grows with the engines per host, not with the
-    size of the cluster."""
+    four ssh round trips), and on each host the engines after the first side by side,
+    each one round trip (``RankSSHEngineLauncher.start``)."""
 
     launcher_class = RankSSHEngineLauncher
 
@@ -205,8 +227,13 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
             groups.append((user or None, host, group))
 
         def start_host(user, host, group):
-            for el in group:
-                el.start(user=user, hostname=host)
+            group[0].start(user=user, hostname=host)
+            for el in group[1:]:
+                el.first_on_host = group[0]
+            with ThreadPoolExecutor(max(1, len(group) - 1)) as pool:
+                started = [pool.submit(el.start, user=user, hostname=host) for el in group[1:]]
+                for future in started:
+                    future.result()  # the first failure is raised
 
         with ThreadPoolExecutor(max(1, len(groups))) as pool:
             for future in [pool.submit(start_host, *g) for g in groups]:

@@ -100,7 +100,7 @@ class Console:
         if line.startswith(":"):
             self._meta(line, waiting)
             return True
-        self.send(r, waiting[r], line)
+        self.send([r], waiting, line)
         if many and runs_on(waiting[r], line):
             self.current = None  # (asked alone, :rank N, until it runs on)
         return True
@@ -135,8 +135,7 @@ class Console:
         if line.startswith(":"):
             self._meta(line, waiting)
             return True
-        for r in ranks:
-            self.send(r, waiting[r], line)
+        self.send(ranks, waiting, line)
         self.sticky = None  # (their next prompts are gathered instead)
         self.group = None if runs_on(asking, line) else ranks
         return True
@@ -163,13 +162,17 @@ class Console:
             )
             return "c" if kind == "pdb" else "\x04"
 
-    def send(self, rank: int, asking: dict, line: str) -> None:
-        self.cluster.tell_rank(rank, "answer", f"{asking['id']}\t{line}")
-        self.answered[rank] = asking["id"]
-        if asking["kind"] == "pdb" and line.strip() in QUIT:
-            self.quit_by = rank if self.quit_by is None else self.quit_by  # (the first)
-        if not runs_on(asking, line):
-            self.sticky = rank
+    def send(self, ranks: list[int], waiting: dict[int, dict], line: str) -> None:
+        """``line`` to each of ``ranks``, as the answer to what each asks (``waiting``):
+        one write for each host (over ssh, 16 ranks on 2 hosts are 2 calls, not 16)."""
+        self.cluster.tell_ranks([(r, "answer", f"{waiting[r]['id']}\t{line}") for r in ranks])
+        for rank in ranks:
+            asking = waiting[rank]
+            self.answered[rank] = asking["id"]
+            if asking["kind"] == "pdb" and line.strip() in QUIT:
+                self.quit_by = rank if self.quit_by is None else self.quit_by  # (the first)
+            if not runs_on(asking, line):
+                self.sticky = rank
 
     def _meta(self, line: str, waiting: dict[int, dict]) -> None:
         word, _, rest = line[1:].strip().partition(" ")
@@ -191,17 +194,15 @@ class Console:
                 self.say(f"notebook_dist: {exc}")
                 return
             targets = [r for r in chosen if r in waiting]
-            for r in targets:
-                self.send(r, waiting[r], cmd.strip())
+            self.send(targets, waiting, cmd.strip())
             self.say(f"notebook_dist: sent {cmd.strip()!r} to {rank_list(targets)}.")
         else:
             self.say(HELP)
 
     def quit_all(self, views) -> None:
         """After q: every other rank in a debugger quits too."""
-        for r, asking in self.waiting(views).items():
-            if asking["kind"] == "pdb":
-                self.send(r, asking, "q")
+        waiting = self.waiting(views)
+        self.send([r for r, asking in waiting.items() if asking["kind"] == "pdb"], waiting, "q")
 
 
 def runs_on(asking: dict, line: str) -> bool:

@@ -40,7 +40,7 @@ def first_prompt(times: dict[int, float], monkeypatch) -> tuple[str, float]:
     clock = Clock()
     monkeypatch.setattr(console.time, "monotonic", clock)
     asked = []
-    cluster = SimpleNamespace(tell_rank=lambda *a: None)
+    cluster = SimpleNamespace(tell_ranks=lambda tells: None)
     con = Console(cluster, say=lambda line: None, ask=lambda p: asked.append(p) or "c")
     views = ranks_stopping_at(times, clock)
     start = clock.t

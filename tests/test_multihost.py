@@ -8,6 +8,7 @@ NOTEBOOK_DIST_REQUIRE_MULTIHOST=1, so there this must run; elsewhere it skips an
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
@@ -479,6 +480,23 @@ def test_two_hosts_of_eight_ranks_each(hosts, caplog):
             lane.route.ready
         )
         assert not lane.route.pipes.to, "a rank on another host took a pipe of this machine"
+        # every rank at one breakpoint: one prompt, and each line the user types reaches
+        # the 16 ranks with one ssh call a host (16 calls one after another before: 6 s a
+        # line here)
+        caplog.clear()
+        said = io.StringIO()
+        with caplog.at_level(logging.DEBUG, logger="notebook_dist"):
+            r = cluster.run("breakpoint()\ny = 1", out=said, answers=["p nd.rank * 2", "c"])
+        r.raise_for_errors()
+        said = said.getvalue()
+        assert "[ranks 0-15] (Pdb) p nd.rank * 2" in said, said[-3000:]
+        assert all(f"[rank {k}] {2 * k}\n" in said for k in range(16)), said[-3000:]
+        calls = [
+            r
+            for r in caplog.records
+            if r.msg.startswith("check_output") and not r.threadName.startswith("wait(")
+        ]
+        assert len(calls) <= 2 * 2 + 2, len(calls)  # 2 lines, 2 hosts
         diag, out, verdict_s, _ = until_verdict(
             cluster, "t = torch.ones(1)\nif nd.rank != 11:\n    dist.all_reduce(t)\n", 3.0, 90
         )

@@ -327,7 +327,7 @@ class DistCluster:
     restarted = recovery.restarted
     replay = recovery.replay
     stand_in_for = recovery.stand_in_for
-    tell_rank = recovery.tell_rank
+    tell_ranks = recovery.tell_ranks
 
     # ---- display ----------------------------------------------------------------------------
 

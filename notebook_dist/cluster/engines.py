@@ -181,19 +181,35 @@ def tail(path: str, num_lines: int = 20) -> str:
         return "(no log)"
 
 
-def write_on_host(el, path: str, text: str) -> None:
-    """Write ``text`` to ``path`` with a fresh mtime (the agents watch it): on this machine
-    when ``el`` is None, else on the ssh launcher's host, through ssh."""
+def write_on_host(el, files: dict[str, str]) -> None:
+    """Write each text to its path with a fresh mtime (the agents watch them): on this
+    machine when ``el`` is None, else on the ssh launcher's host, with one ssh call."""
     if el is None:
-        with open(path, "w") as f:
-            f.write(text)
-        now = time.time_ns()
-        os.utime(path, ns=(now, now))
+        for path, text in files.items():
+            with open(path, "w") as f:
+                f.write(text)
+            now = time.time_ns()
+            os.utime(path, ns=(now, now))
         return
     el.ssh_sender.check_output_python_code(
-        f"import os, time\np = {path!r}\nwith open(p, 'w') as f:\n    f.write({text!r})\n"
-        "t = time.time_ns()\nos.utime(p, ns=(t, t))\n"
+        f"import os, time\nfor p, text in {files!r}.items():\n"
+        "    with open(p, 'w') as f:\n        f.write(text)\n"
+        "    t = time.time_ns()\n    os.utime(p, ns=(t, t))\n"
     )
+
+
+def write_on_hosts(writes: list[tuple]) -> list:
+    """Each ``(el, path, text)`` written, one call for each host (:func:`write_on_host`),
+    the hosts side by side (:func:`on_hosts`): 16 ranks' files on 2 hosts are 2 ssh calls,
+    not 16 one after another. Returns, for each write, None or the exception its host's
+    call raised."""
+    hosts: dict = {}
+    for el, path, text in writes:
+        key = None if el is None else el.location
+        hosts.setdefault(key, (el, {}))[1][path] = text
+    keys = list(hosts)
+    done = dict(zip(keys, on_hosts([(el, write_on_host, files) for el, files in hosts.values()])))
+    return [done[None if el is None else el.location] for el, _, _ in writes]
 
 
 def read_on_host(el, path: str) -> str:

@@ -62,20 +62,25 @@ def release_collectives(cluster, ranks: list[int], token: str) -> None:
     """Ask the ranks' agents to release them from their collectives, for the cell ``token``
     only: through a control file on each rank's host (here, or written there over ssh)."""
     processes = cluster.processes
-    writes = [
-        (processes.host_launcher(r), engines.write_on_host, processes.control_file(r), token)
-        for r in ranks
-    ]
-    for (el, *_), done in zip(writes, engines.on_hosts(writes)):
+    writes = [(processes.host_launcher(r), processes.control_file(r), token) for r in ranks]
+    for (el, *_), done in zip(writes, engines.write_on_hosts(writes)):
         if el is None and isinstance(done, Exception):  # (a host that ssh cannot reach: its
             raise done  # rank stays in its collective, and is then said to be stuck)
 
 
-def tell_rank(cluster, rank: int, kind: str, text: str) -> None:
-    """``text`` in the rank's control file of ``kind`` (``answer``: a line it asked for),
-    which its agent watches: here, or written on its host over ssh."""
+def tell_ranks(cluster, tells: list[tuple[int, str, str]]) -> None:
+    """Each ``(rank, kind, text)``: ``text`` in the rank's control file of ``kind``
+    (``answer``: a line it asked for), which its agent watches: here, or written on its
+    host over ssh, one call for each host. The first failure is raised, after the
+    others were written."""
     processes = cluster.processes
-    engines.write_on_host(processes.host_launcher(rank), processes.control_file(rank, kind), text)
+    writes = [
+        (processes.host_launcher(rank), processes.control_file(rank, kind), text)
+        for rank, kind, text in tells
+    ]
+    for done in engines.write_on_hosts(writes):
+        if isinstance(done, Exception):
+            raise done
 
 
 #: how long ranks wait for each other to meet when the group is rebuilt (they are all

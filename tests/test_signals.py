@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -275,6 +276,21 @@ ALLOWED = {
         "RankSlurmEngineSetLauncher._run_command",
         "subprocess.run",
     ): "sbatch or scancel, its own child, killed only if the wait is interrupted",
+    (
+        "notebook_dist/cluster/engine_launchers.py",
+        "RankSSHEngineLauncher.signal",
+        "super().signal",
+    ): "ipyparallel's kill over ssh of the engine it started on that host, only in state "
+    "'running'; none on a host found not answering",
+    (
+        "notebook_dist/cluster/engine_launchers.py",
+        "<module>",
+        "code: p.terminate(",
+    ): "STOP_ON_HOST, "
+    "run on a host by the ssh engines' stop: the engines started there, each looked up by "
+    "its recorded pid with psutil, which checks it is the same process when it signals",
+    ("notebook_dist/cluster/engine_launchers.py", "<module>", "code: p.kill("): "the same, "
+    "for those of them still running 5 s after TERM",
 }
 
 
@@ -325,6 +341,13 @@ class _Places(ast.NodeVisitor):
     def visit_Constant(self, node):  # getattr(os, "kill"), methodcaller("terminate")
         if isinstance(node.value, str) and node.value in SIGNALLING:
             self._add(repr(node.value), node)
+        elif isinstance(node.value, str):  # code run elsewhere (on a host, over ssh)
+            for call in CODE_SIGNALS.findall(node.value):
+                self._add(f"code: {call}", node)
+
+
+#: a call that signals a process, in the text of code that is run elsewhere
+CODE_SIGNALS = re.compile(r"\b(?:os\.kill|os\.killpg|\w+\.terminate|\w+\.kill|\w+\.send_signal)\(")
 
 
 def _signalling_places(root: Path) -> list[tuple[str, str, str, int]]:
@@ -344,6 +367,7 @@ def f(p, pid):
     o.kill(pid, 9); o.killpg(pid, 9); s.pidfd_send_signal(3, 9); getattr(o, "kill")(pid, 9)
     p.send_signal(9); p.terminate(); p.kill(); launcher.signal(9); k = o.kill
     sp.run(["x"], timeout=1); sp.check_output(["x"]); s.signal(2, None); _signal.signal(2, None)
+    send("import os\\nos.kill(pid, 9)\\nproc.terminate()")
 """
     forms = [form for _, form, _ in _Places(ast.parse(source)).found]
     assert forms == [
@@ -360,6 +384,8 @@ def f(p, pid):
         "o.kill",
         "sp.run",
         "sp.check_output",
+        "code: os.kill(",
+        "code: proc.terminate(",
     ], forms  # s.signal and _signal.signal (a handler) are not a signal sent
 
 

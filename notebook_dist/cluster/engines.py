@@ -203,13 +203,16 @@ def write_on_hosts(writes: list[tuple]) -> list:
     the hosts side by side (:func:`on_hosts`): 16 ranks' files on 2 hosts are 2 ssh calls,
     not 16 one after another. Returns, for each write, None or the exception its host's
     call raised."""
+
+    def host(el):
+        return None if el is None else el.location
+
     hosts: dict = {}
     for el, path, text in writes:
-        key = None if el is None else el.location
-        hosts.setdefault(key, (el, {}))[1][path] = text
-    keys = list(hosts)
-    done = dict(zip(keys, on_hosts([(el, write_on_host, files) for el, files in hosts.values()])))
-    return [done[None if el is None else el.location] for el, _, _ in writes]
+        hosts.setdefault(host(el), (el, {}))[1][path] = text
+    done = on_hosts([(el, write_on_host, files) for el, files in hosts.values()])
+    by_host = dict(zip(hosts, done))
+    return [by_host[host(el)] for el, _, _ in writes]
 
 
 def read_on_host(el, path: str) -> str:

@@ -255,7 +255,8 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
         hosts: dict[str, list] = {}
         for el in list(self.launchers.values()):
             el._output = el._output if el._output is not None else ""
-            if el.state == "running" and el.location not in self.dark:
+            # (a pid ipyparallel recorded from the host: never a placeholder, 0 or 1)
+            if el.state == "running" and el.pid > 1 and el.location not in self.dark:
                 hosts.setdefault(el.location, []).append(el)
 
         def stop_host(els: list) -> None:

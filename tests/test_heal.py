@@ -176,11 +176,16 @@ def test_heal_auto_heals_a_rank_as_it_dies(run, no_current):
 KILLS = {
     "SIGKILL": "import os, signal\nif nd.rank == {r}:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()",
     "os._exit": "import os\nif nd.rank == {r}:\n    os._exit(3)\ndist.barrier()",
-    # Gloo aborts the process that receives tensors of another dtype
+    # Gloo crashes the process that receives tensors of another dtype: mostly an abort, at
+    # times (seen once in a loaded CI) a segmentation fault, as the bytes land
     "Gloo abort": "t = torch.ones(4, dtype=torch.float64 if nd.rank == {r} else torch.float32)\n"
     "dist.all_reduce(t)",
 }
-CAUSES = {"SIGKILL": "killed by SIGKILL", "os._exit": "exited with code 3", "Gloo abort": "SIGABRT"}
+CAUSES = {
+    "SIGKILL": ("killed by SIGKILL",),
+    "os._exit": ("exited with code 3",),
+    "Gloo abort": ("SIGABRT", "SIGSEGV"),
+}
 
 
 def _fds() -> list[str]:
@@ -213,7 +218,7 @@ def test_chaos_ten_random_deaths_each_healed_and_the_replicas_end_equal():
             how, victim = rng.choice(sorted(KILLS)), rng.randrange(3)
             with pytest.raises(ClusterError) as info:
                 c.run(KILLS[how].format(r=victim))
-            assert CAUSES[how] in str(info.value), (death, how, str(info.value))
+            assert any(cause in str(info.value) for cause in CAUSES[how]), (death, how, info.value)
             healed = c.heal(["ddp", "opt", "step"])
             assert healed.replay_stopped is None, healed.text()
             every_pid |= {r.pid for r in c.ranks}

@@ -299,6 +299,32 @@ def test_control_files_on_other_hosts_are_written_and_read_side_by_side():
     assert isinstance(done[3], OSError) and str(done[3]) == "no such file"
 
 
+def test_reads_and_writes_are_grouped_by_host_one_call_each():
+    """Files on other hosts are read and written with one call for each host: each host's
+    call gets its items in the order asked, and each item its own answer back (or its host's
+    error)."""
+    from types import SimpleNamespace
+
+    from notebook_dist.cluster.engines import per_host
+
+    node1, node2 = SimpleNamespace(location="node1"), SimpleNamespace(location="node2")
+    calls = []
+
+    def call(el, parts):
+        calls.append((el and el.location, parts))
+        if el is node2:
+            raise OSError("node2 does not answer")
+        return [f"{el and el.location}:{part[0]}" for part in parts]
+
+    items = [(node1, "a"), (None, "b"), (node2, "c"), (node1, "d"), (None, "e"), (node2, "f")]
+    done = per_host(items, call)
+    assert sorted(calls, key=str) == sorted(
+        [("node1", [["a"], ["d"]]), (None, [["b"], ["e"]]), ("node2", [["c"], ["f"]])], key=str
+    )
+    assert [done[i] for i in (0, 1, 3, 4)] == ["node1:a", "None:b", "node1:d", "None:e"]
+    assert all(isinstance(done[i], OSError) for i in (2, 5)), done
+
+
 def test_two_hosts_meet_over_the_network(ssh_cluster, no_current, run):
     profile, cluster_id = ssh_cluster
     out = run(f"%dist_init --profile {profile} --cluster-id {cluster_id}")

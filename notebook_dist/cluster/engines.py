@@ -10,6 +10,7 @@ so a dead rank is reported with its exit code or signal at once.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -203,27 +204,62 @@ def write_on_hosts(writes: list[tuple]) -> list:
     the hosts side by side (:func:`on_hosts`): 16 ranks' files on 2 hosts are 2 ssh calls,
     not 16 one after another. Returns, for each write, None or the exception its host's
     call raised."""
-
-    def host(el):
-        return None if el is None else el.location
-
-    hosts: dict = {}
-    for el, path, text in writes:
-        hosts.setdefault(host(el), (el, {}))[1][path] = text
-    done = on_hosts([(el, write_on_host, files) for el, files in hosts.values()])
-    by_host = dict(zip(hosts, done))
-    return [by_host[host(el)] for el, _, _ in writes]
+    return per_host(writes, lambda el, parts: [write_on_host(el, dict(parts))] * len(parts))
 
 
-def read_on_host(el, path: str) -> str:
-    """The text of ``path``: on this machine when ``el`` is None, else on the ssh
-    launcher's host, through ssh."""
+def read_on_host(el, paths: list[str]) -> list[str | None]:
+    """The text of each file (None for one that cannot be read, as one not there): on this
+    machine when ``el`` is None, else on the ssh launcher's host, with one ssh call."""
     if el is None:
+        texts = []
+        for path in paths:
+            try:
+                with open(path, errors="replace") as f:
+                    texts.append(f.read())
+            except OSError:
+                texts.append(None)
+        return texts
+    return json.loads(el.ssh_sender.check_output_python_code(READ_ON_HOST.format(paths=paths)))
+
+
+#: :func:`read_on_host`'s reading, run on the host (its answer in JSON: ASCII whatever
+#: the files hold)
+READ_ON_HOST = """
+import json, sys
+texts = []
+for path in {paths!r}:
+    try:
         with open(path, errors="replace") as f:
-            return f.read()
-    return el.ssh_sender.check_output_python_code(
-        f"import sys\nwith open({path!r}, errors='replace') as f:\n    sys.stdout.write(f.read())\n"
-    )
+            texts.append(f.read())
+    except OSError:
+        texts.append(None)
+sys.stdout.write(json.dumps(texts))
+"""
+
+
+def read_on_hosts(reads: list[tuple]) -> list:
+    """Each ``(el, path)`` read, one call for each host (:func:`read_on_host`), the hosts
+    side by side. Returns, for each read, its text, None (not there), or the exception its
+    host's call raised."""
+    return per_host(reads, lambda el, parts: read_on_host(el, [path for (path,) in parts]))
+
+
+def per_host(items: list[tuple], call) -> list:
+    """``call(el, parts)`` once for each host of ``items`` (each ``(el, *part)``; ``el``
+    None for this machine), the hosts side by side (:func:`on_hosts`); ``call`` returns one
+    answer for each part, in order. Returns each item's answer, or the exception its host's
+    call raised."""
+    hosts: dict = {}  # (its launcher, the items' places, their parts) by host
+    for i, (el, *part) in enumerate(items):
+        _, where, parts = hosts.setdefault(None if el is None else el.location, (el, [], []))
+        where.append(i)
+        parts.append(part)
+    done = on_hosts([(el, call, parts) for el, _, parts in hosts.values()])
+    out: list = [None] * len(items)
+    for (_, where, _), answers in zip(hosts.values(), done):
+        for k, i in enumerate(where):
+            out[i] = answers if isinstance(answers, Exception) else answers[k]
+    return out
 
 
 def on_hosts(calls: list) -> list:

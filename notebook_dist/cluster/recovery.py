@@ -142,15 +142,11 @@ def rebuild_steps(cluster) -> str:
     its control file: ``runtime.state.rebuild_step``), as a clause ("" when none is)."""
     processes, now, said = cluster.processes, time.time(), []
     reads = [
-        (
-            processes.host_launcher(r.rank),
-            engines.read_on_host,
-            processes.control_file(r.rank, "rebuild", r.pid),
-        )
+        (processes.host_launcher(r.rank), processes.control_file(r.rank, "rebuild", r.pid))
         for r in cluster.ranks
     ]
-    for r, text in zip(cluster.ranks, engines.on_hosts(reads)):
-        since, _, step = ("", "", "") if isinstance(text, Exception) else text.partition(" ")
+    for r, text in zip(cluster.ranks, engines.read_on_hosts(reads)):
+        since, _, step = text.partition(" ") if isinstance(text, str) else ("", "", "")
         with contextlib.suppress(ValueError):  # (no file: that rank is not in a rebuild)
             said.append(f"rank {r.rank} was {step} for {now - float(since):.0f} s")
     return f" ({'; '.join(said)})" if said else ""
@@ -222,17 +218,15 @@ def fault_report(cluster, rank: int) -> dict[str, Any]:
     pid = next((r.pid for r in cluster.ranks if r.rank == rank), None)
     if pid is None:
         return out
-    with contextlib.suppress(Exception):
-        path = processes.control_file(rank, "record", pid)
-        rec = read_blackbox(engines.read_on_host(host, path))
-        if rec is not None:
-            out["record"] = rec
-    try:  # on its host
-        text = engines.read_on_host(host, processes.control_file(rank, "fault", pid))
-    except Exception:
-        text = ""
-    _from_stacks(text, out)
-    rec = out.get("record")
+    paths = [processes.control_file(rank, kind, pid) for kind in ("record", "fault")]
+    try:  # on its host, with one call
+        box, text = engines.read_on_host(host, paths)
+    except Exception:  # (a host that does not answer: nothing known of where it was)
+        box = text = None
+    rec = read_blackbox(box) if box else None
+    if rec is not None:
+        out["record"] = rec
+    _from_stacks(text or "", out)
     if rec and "op" not in out:  # no stack written (a segfault can stop the writer): it
         out["op"] = rec["op"]  # died inside the collective its record holds, still open
         if rec.get("where"):

@@ -1109,6 +1109,46 @@ def test_a_rank_released_in_python_and_interrupted_reads_as_interrupted():
     assert report[1].status == "running" and report[1].snap["collective"]["op"] == "all_reduce"
 
 
+FAULT_FILE = """Fatal Python error: Segmentation fault
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "Cell In[4]", line 4 in <module>
+  File "/x/notebook_dist/runtime/cell.py", line 210 in run_cell
+"""
+
+
+def test_a_rank_found_dead_after_its_release_reads_as_dead_with_the_signal_its_fault_names():
+    """A rank on another host that died of a fatal signal is found dead only when the
+    controller's heartbeat misses it, seconds after its peers raised and it was released
+    with them: it reads as dead (not as waiting where it was released), and as killed by
+    the signal its fault file names (the notebook cannot see its exit status)."""
+    from notebook_dist.cluster.recovery import _from_stacks
+    from notebook_dist.watch.inputs import doctor_input
+
+    fault: dict = {}
+    _from_stacks(FAULT_FILE, fault)
+    assert fault == {"signal": "SIGSEGV", "file": "Cell In[4]", "line": 4}
+    closed = {"ename": "RuntimeError", "evalue": "Connection closed by peer", "traceback": ""}
+    waiting, dead = view(0, "error", error=closed), view(1, "dead")
+    waiting.released = dead.released = True
+    for v in (waiting, dead):
+        v.before_release = {"collective": rec(1, "all_reduce", 5), "stack": []}
+    dead.exit, dead.result = "stopped answering the controller's heartbeat", None
+    views = {0: waiting, 1: dead}
+    report = doctor_input(views, "Cell In[4]", {1: fault}.get, before_release=True)
+    assert report[1].status == "dead" and report[1].exit == "was killed by SIGSEGV"
+    assert report[0].status == "running"  # as it waited when it was released
+    d = diagnose(report, now=NOW, cell_file="Cell In[4]", source=TIMED_CELL)
+    assert d.kind == "dead" and d.culprits == [1], d.verdict
+    assert d.verdict.startswith("rank 1 was killed by SIGSEGV at line 4."), d.verdict
+    # a rank whose exit was seen keeps it
+    dead.exit = "was killed by SIGABRT"
+    assert doctor_input(views, "Cell In[4]", {1: fault}.get)[1].exit == "was killed by SIGABRT"
+
+
 TIMED_CELL = (
     "%%distributed\nt = torch.ones(2)\nif nd.rank == 0:\n    try:\n        dist.all_reduce(t)\n"
     "    except RuntimeError:\n        pass\n"

@@ -456,6 +456,16 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
     out = run("%%distributed\nkept")
     assert dict(out.result.result) == {0: 100, 1: 101, 2: 102}
 
+    # a rank on another host that died of a fatal signal: its peers raise and are released
+    # before the controller's heartbeat finds it gone; it is named, with the signal and the
+    # line its fault file (read there, with its collective's record: one ssh call) names
+    out = run(
+        "%%distributed\nimport signal\nt = torch.ones(1)\nif nd.rank == 2:\n"
+        "    signal.raise_signal(signal.SIGSEGV)\ndist.all_reduce(t)"
+    )
+    assert type(out.error).__name__ == "ClusterError", out.output
+    assert str(out.error).startswith("rank 2 was killed by SIGSEGV at line 5."), str(out.error)
+
     out = run("%dist_shutdown")
     assert out.error is None, out.output
     wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 15)

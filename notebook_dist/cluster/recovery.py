@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import time
@@ -239,6 +240,9 @@ def _from_stacks(text: str, out: dict) -> None:
     Python's faulthandler wrote."""
     from ..runtime.tracker import COLLECTIVES
 
+    fatal = FATAL_ERROR.search(text)
+    if fatal:  # (for a rank on another host, whose exit status the notebook cannot see)
+        out["signal"] = FATAL_SIGNALS[fatal.group(1)]
     section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
     found = False  # the end of the first thread with a cell line or a collective in it
     for line in section.splitlines():
@@ -255,6 +259,18 @@ def _from_stacks(text: str, out: dict) -> None:
         if filename.startswith("Cell In[") and "line" not in out:
             out["file"], out["line"] = filename, int(num)
             found = True
+
+
+#: the fatal signal that faulthandler names on its first line ("Fatal Python error:
+#: Segmentation fault"), as Python 3.9 to 3.13 word each
+FATAL_SIGNALS = {
+    "Segmentation fault": "SIGSEGV",
+    "Aborted": "SIGABRT",
+    "Bus error": "SIGBUS",
+    "Floating point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+}
+FATAL_ERROR = re.compile(r"^Fatal Python error: (" + "|".join(FATAL_SIGNALS) + ")", re.MULTILINE)
 
 
 def restarted(cluster):

@@ -21,7 +21,9 @@ def doctor_input(
     timed = timed_out(views) if before_release else {}
     out: dict[int, RankReport] = {}
     for r, v in views.items():
-        if before_release and v.released and not interrupted_in_python(v):
+        if v.status == "dead":  # (also one released before it was found dead: on another
+            out[r] = dead_report(v, fault_report(r))  # host, that can take seconds)
+        elif before_release and v.released and not interrupted_in_python(v):
             out[r] = RankReport("running", v.before_release or v.snap)
         elif r in timed:  # as it was while it waited, before torch's timeout ended the wait
             rec = {k: x for k, x in timed[r].items() if k not in ("t1", "failed")}
@@ -30,8 +32,6 @@ def doctor_input(
                 h for h in v.snap.get("history") or [] if (h.get("group"), h.get("seq")) != same
             ]
             out[r] = RankReport("running", dict(v.snap, collective=rec, history=history))
-        elif v.status == "dead":
-            out[r] = RankReport("dead", v.snap, v.exit, v.dead_at, fault=fault_report(r))
         elif v.status == "error" and v.result:
             e = v.result["error"]
             line = error_line(e.get("traceback", ""), cell_file)
@@ -39,6 +39,16 @@ def doctor_input(
         else:
             out[r] = RankReport(v.status, v.snap)
     return out
+
+
+def dead_report(v: RankView, fault: dict) -> RankReport:
+    """A dead rank: how it ended, and where (its fault file). The fatal signal its fault
+    file names says how a rank on another host ended, whose exit status the notebook
+    cannot see (it only finds it gone: "stopped answering the controller's heartbeat")."""
+    exit_ = v.exit
+    if fault.get("signal") and "SIG" not in str(exit_):
+        exit_ = f"was killed by {fault['signal']}"
+    return RankReport("dead", v.snap, exit_, v.dead_at, fault=fault)
 
 
 def interrupted_in_python(v: RankView) -> bool:

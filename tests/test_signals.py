@@ -472,6 +472,52 @@ def _engine_set(kind: str, data, pool):
     return es
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    engines=st.lists(
+        st.tuples(
+            st.sampled_from(["node1", "node2"]),
+            st.sampled_from([-1, 0, 1, 4242, 4243]),
+            st.sampled_from(["before", "running", "after"]),
+        ),
+        max_size=5,
+    ),
+    dark=st.sets(st.sampled_from(["node1", "node2"])),
+)
+def test_the_ssh_stop_asks_each_host_to_end_only_the_engines_it_started_there(engines, dark):
+    """The ssh engines' stop runs STOP_ON_HOST once on each host that answers, naming the
+    pids ipyparallel recorded as started there: never a placeholder (-1, 0, 1), nor an
+    engine that is not running, nor any on a host that does not answer."""
+    import asyncio
+
+    from notebook_dist.cluster import engine_launchers as nd_engines
+
+    es = nd_engines.RankSSHEngineSetLauncher(profile_dir="/nonexistent", cluster_id="t")
+    es.dark = set(dark)
+    asked: dict[str, list] = {}
+
+    class Sender:  # the host's Python over ssh, as ipyparallel's sender runs it
+        def __init__(self, host):
+            self.host = host
+
+        def check_output_python_code(self, code):
+            assert self.host not in asked, "two calls to one host"
+            asked[self.host] = ast.literal_eval(code.split("for pid in ", 1)[1].split(":")[0])
+            return "__killed=0__"
+
+    for i, (host, pid, state) in enumerate(engines):
+        el = es.launchers[str(i)] = nd_engines.RankSSHEngineLauncher(
+            profile_dir="/nonexistent", cluster_id="t", hostname=host
+        )
+        el.dark, el.pid, el.state, el._ssh_sender = es.dark, pid, state, Sender(host)
+    asyncio.run(es.stop())
+    expected: dict[str, list] = {}
+    for host, pid, state in engines:
+        if state == "running" and pid > 1 and host not in dark:
+            expected.setdefault(host, []).append(pid)
+    assert asked == expected
+
+
 class _Cluster:
     """What Processes.stop uses of ipyparallel's Cluster. Its own stop (which signals a
     launcher's process only while the launcher is running) is listed in ALLOWED; here it

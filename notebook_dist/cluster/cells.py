@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import sys
@@ -54,6 +55,12 @@ def cell_request(
     )
 
 
+#: the cells run by the Python API, numbered: the ranks know a cell's code by its name's
+#: ``Cell In[`` (where a collective was called, a fatal signal's line, the hint at an
+#: error's line), as they know IPython's cells
+_RUNS = itertools.count(1)
+
+
 def check_options(hang_after: float | None = None, on_hang: str = "show") -> None:
     """A cell's options, refused with a sentence before anything is sent."""
     if on_hang not in ("show", "stop"):
@@ -68,7 +75,7 @@ def run(
     ranks: Any = None,
     gather: list[str] | tuple[str, ...] = (),
     *,
-    filename: str = "<cell>",
+    filename: str | None = None,
     header: str | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
@@ -98,11 +105,15 @@ def run(
     (``DistConfig.fold_from_ranks``). ``post_mortem``: a rank that raises opens the
     debugger where it raised, asked through the notebook (``%pdb on``); ``answers``: lines
     given in advance to what the ranks ask (a debugger, ``input()``), in order.
+    ``filename``: the cell's name in tracebacks and verdicts (the magic gives IPython's
+    ``Cell In[5]``; by default ``Cell In[run 1]``, ``Cell In[run 2]``... for each call).
     """
     check_options(hang_after, on_hang)
     cluster.require_running()
     selected = cluster.select(ranks)
-    prepared = cell if isinstance(cell, PreparedCell) else prepare_cell(cell, filename, header)
+    if not isinstance(cell, PreparedCell):
+        cell = prepare_cell(cell, filename or f"Cell In[run {next(_RUNS)}]", header)
+    prepared = cell
     cluster.processes.check_alive(selected)
     gather = list(gather)
     regain_group(cluster, out)  # when the last rebuild failed, or it broke between cells

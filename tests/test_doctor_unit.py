@@ -1147,6 +1147,14 @@ def test_a_rank_found_dead_after_its_release_reads_as_dead_with_the_signal_its_f
     # a rank whose exit was seen keeps it
     dead.exit = "was killed by SIGABRT"
     assert doctor_input(views, "Cell In[4]", {1: fault}.get)[1].exit == "was killed by SIGABRT"
+    # a cell's os._exit() leaves its code above its stack
+    from notebook_dist.runtime.state import EXIT_NOTE
+
+    ended: dict = {}
+    _from_stacks(f"{EXIT_NOTE}3\n" + FAULT_FILE.split("\n\n", 1)[1], ended)
+    assert ended == {"exit_code": 3, "file": "Cell In[4]", "line": 4}
+    dead.exit = "stopped answering the controller's heartbeat"
+    assert doctor_input(views, "Cell In[4]", {1: ended}.get)[1].exit == "exited with code 3"
 
 
 TIMED_CELL = (

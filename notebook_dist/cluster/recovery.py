@@ -18,7 +18,7 @@ from ..execute import PreparedCell
 from ..phrases import groups_after_rebuild, rank_list
 from ..runtime import group as rt_group
 from ..runtime import recover as rt_recover
-from ..runtime.state import rank_file
+from ..runtime.state import EXIT_NOTE, rank_file
 from . import engines
 from .ranks import remote_message, rendezvous_port
 
@@ -240,9 +240,13 @@ def _from_stacks(text: str, out: dict) -> None:
     Python's faulthandler wrote."""
     from ..runtime.tracker import COLLECTIVES
 
+    # how it ended, for a rank on another host, whose exit status the notebook cannot see
     fatal = FATAL_ERROR.search(text)
-    if fatal:  # (for a rank on another host, whose exit status the notebook cannot see)
+    if fatal:
         out["signal"] = FATAL_SIGNALS[fatal.group(1)]
+    called = EXITED.search(text)
+    if called:
+        out["exit_code"] = int(called.group(1))
     section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
     found = False  # the end of the first thread with a cell line or a collective in it
     for line in section.splitlines():
@@ -271,6 +275,8 @@ FATAL_SIGNALS = {
     "Illegal instruction": "SIGILL",
 }
 FATAL_ERROR = re.compile(r"^Fatal Python error: (" + "|".join(FATAL_SIGNALS) + ")", re.MULTILINE)
+#: what a cell's os._exit() wrote before its stack (``runtime.bootstrap``)
+EXITED = re.compile("^" + re.escape(EXIT_NOTE) + r"(-?\d+)$", re.MULTILINE)
 
 
 def restarted(cluster):

@@ -12,7 +12,7 @@ import sys
 import time
 
 from . import group
-from .state import STATE, rank_file, user_namespace
+from .state import EXIT_NOTE, STATE, rank_file, user_namespace
 
 
 def present_as_script() -> None:
@@ -220,10 +220,14 @@ def _enable_fault_report(path: str) -> None:
         real_exit = os._exit
 
         def _exit(code: int) -> None:
-            """os._exit from a cell: leave its stack in the fault file first, so the
-            notebook can say at which line the rank ended itself."""
+            """os._exit from a cell: leave its code and its stack in the fault file first,
+            so the notebook can say at which line the rank ended itself, and with which
+            code (on another host it cannot see the exit status)."""
             with contextlib.suppress(Exception):
-                faulthandler.dump_traceback(file=STATE.extras["fault_file"], all_threads=False)
+                f = STATE.extras["fault_file"]
+                f.write(f"{EXIT_NOTE}{int(code)}\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=False)
             real_exit(code)
 
         _exit.__wrapped__ = real_exit

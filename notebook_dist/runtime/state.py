@@ -62,6 +62,11 @@ class RankState:
 STATE = RankState()
 
 
+#: the line a cell's ``os._exit(code)`` writes in the rank's fault file before its stack
+#: (``bootstrap``), read by the notebook (``cluster.recovery``)
+EXIT_NOTE = "notebook_dist: os._exit with code "
+
+
 def rank_file(folder: str, kind: str, rank: int, pid: int | None = None) -> str:
     """A rank's control file in ``folder``, by kind (``release``, ``answer``, ``broken``);
     with ``pid``, one that only that process of the rank writes (``fault``, ``record``), so

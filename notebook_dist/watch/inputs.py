@@ -43,11 +43,15 @@ def doctor_input(
 
 def dead_report(v: RankView, fault: dict) -> RankReport:
     """A dead rank: how it ended, and where (its fault file). The fatal signal its fault
-    file names says how a rank on another host ended, whose exit status the notebook
-    cannot see (it only finds it gone: "stopped answering the controller's heartbeat")."""
+    file names, or the code of a cell's ``os._exit()``, says how a rank on another host
+    ended, whose exit status the notebook cannot see (it only finds it gone: "stopped
+    answering the controller's heartbeat")."""
     exit_ = v.exit
-    if fault.get("signal") and "SIG" not in str(exit_):
-        exit_ = f"was killed by {fault['signal']}"
+    if "SIG" not in str(exit_) and "code" not in str(exit_):
+        if fault.get("signal"):
+            exit_ = f"was killed by {fault['signal']}"
+        elif fault.get("exit_code") is not None:
+            exit_ = f"exited with code {fault['exit_code']}"
     return RankReport("dead", v.snap, exit_, v.dead_at, fault=fault)
 
 

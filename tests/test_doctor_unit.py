@@ -157,6 +157,11 @@ def test_dead_rank_with_signal_and_line():
         "(--copy NAMES gives it yours), or %dist_restart (add --replay to re-run your setup "
         "cells)."
     )
+    # ranks on ssh hosts, in an MPI or Slurm job: no fresh rank can take its place
+    d = diagnose(ranks, now=NOW, cell_file=CELL, healable=False)
+    assert "%dist_heal" not in d.verdict and d.verdict.endswith(
+        "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells)."
+    )
 
 
 def test_dead_rank_names_what_each_survivor_did():

@@ -465,6 +465,7 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
     )
     assert type(out.error).__name__ == "ClusterError", out.output
     assert str(out.error).startswith("rank 2 was killed by SIGSEGV at line 5."), str(out.error)
+    assert "%dist_heal" not in str(out.error)  # (only engines started here can be healed)
 
     out = run("%dist_shutdown")
     assert out.error is None, out.output

@@ -27,9 +27,12 @@ def diagnose(
     cell_file: str | None = None,
     source: str | None = None,
     first_line: int = 2,
+    healable: bool = True,
 ) -> Diagnosis:
-    """``ranks``: rank -> its :class:`RankReport` (status, agent snapshot, how it ended)."""
-    facts = Facts(ranks, now, cell_file, source, first_line)
+    """``ranks``: rank -> its :class:`RankReport` (status, agent snapshot, how it ended).
+    ``healable``: the cluster can put a fresh rank in a dead one's place (``%dist_heal``:
+    engines this notebook started on this machine)."""
+    facts = Facts(ranks, now, cell_file, source, first_line, healable)
     for rule in RULES:
         verdict = rule.check(facts)
         if verdict is not None:

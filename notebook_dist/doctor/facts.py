@@ -60,8 +60,10 @@ class Facts:
         cell_file: str | None,
         source: str | None,
         first_line: int,
+        healable: bool = True,
     ):
         self.info = ranks
+        self.healable = healable  # (a dead rank: %dist_heal, or only %dist_restart)
         self.now = now
         self.cell_file = cell_file
         self.source = source

@@ -33,6 +33,7 @@ class Verdicts:
             cell_file=self.prepared.filename,
             source=self.prepared.source,
             first_line=self.prepared.first_line,
+            healable=self.cluster.processes.spares_possible(),
         )
         return self.diagnosis
 

@@ -40,7 +40,8 @@ def dead(f: Facts) -> Diagnosis | None:
     if len(f.dead) > 1 and set(f.dead) == set(f.info):
         how = f"Every rank of the cell has ended: {how}"
         then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells), or %dist_shutdown."
-    elif f.busy:  # a heal needs every survivor in the new group
+    elif f.busy or not f.healable:  # a heal needs every survivor in the new group, and
+        # engines this notebook starts here (not ranks on ssh hosts, in an MPI or Slurm job)
         then = "Run %dist_restart for fresh ranks (add --replay to re-run your setup cells)."
     hint = ""
     aborted = [r for r in f.dead if _failed_inside(f.info[r])]

@@ -194,7 +194,7 @@ def test_rank_dying_during_a_cell_ends_the_cell():
         assert cluster.last_watch.views[0].result["error"]["ename"] == "KeyboardInterrupt"
         assert (
             str(info.value)
-            == "rank 1 exited with code 7. Rank 0 was interrupted at line 4 and keeps its "
+            == "rank 1 exited with code 7 at line 3. Rank 0 was interrupted at line 4 and keeps its "
             "variables. Run %dist_heal for a fresh rank in its place while the others keep their "
             "variables (--copy NAMES gives it yours), or %dist_restart (add --replay to re-run "
             "your setup cells)."

@@ -61,6 +61,10 @@ def cell_request(
 _RUNS = itertools.count(1)
 
 
+def _prepared(cell: str, filename: str | None, header: str | None) -> PreparedCell:
+    return prepare_cell(cell, filename or f"Cell In[run {next(_RUNS)}]", header)
+
+
 def check_options(hang_after: float | None = None, on_hang: str = "show") -> None:
     """A cell's options, refused with a sentence before anything is sent."""
     if on_hang not in ("show", "stop"):
@@ -100,20 +104,16 @@ def run(
     ``check_collectives`` (default ``DistConfig.check_collectives``): compare every
     collective's arguments across ranks before it runs, so a mismatch is an error on every
     rank instead of a hang, an abort or wrong numbers. ``argv``: the cell's ``sys.argv[1:]``
-    on every rank, as a script's command line (``--args``).
-    ``raw_output``: every rank's lines as they are, none folded
-    (``DistConfig.fold_from_ranks``). ``post_mortem``: a rank that raises opens the
-    debugger where it raised, asked through the notebook (``%pdb on``); ``answers``: lines
-    given in advance to what the ranks ask (a debugger, ``input()``), in order.
-    ``filename``: the cell's name in tracebacks and verdicts (the magic gives IPython's
-    ``Cell In[5]``; by default ``Cell In[run 1]``, ``Cell In[run 2]``... for each call).
+    on every rank, as a script's command line (``--args``). ``raw_output``: every rank's
+    lines as they are, none folded (``DistConfig.fold_from_ranks``). ``post_mortem``: a rank
+    that raises opens the debugger where it raised (``%pdb on``); ``answers``: lines given
+    in advance to what the ranks ask (a debugger, ``input()``), in order. ``filename``: its
+    name in tracebacks and verdicts (``Cell In[run N]`` by default).
     """
     check_options(hang_after, on_hang)
     cluster.require_running()
     selected = cluster.select(ranks)
-    if not isinstance(cell, PreparedCell):
-        cell = prepare_cell(cell, filename or f"Cell In[run {next(_RUNS)}]", header)
-    prepared = cell
+    prepared = cell if isinstance(cell, PreparedCell) else _prepared(cell, filename, header)
     cluster.processes.check_alive(selected)
     gather = list(gather)
     regain_group(cluster, out)  # when the last rebuild failed, or it broke between cells

@@ -62,9 +62,7 @@ def stop_ranks(cluster, running, wait, release, config=None) -> list[int]:
 def release_collectives(cluster, ranks: list[int], token: str) -> None:
     """Ask the ranks' agents to release them from their collectives, for the cell ``token``
     only: through a control file on each rank's host (here, or written there over ssh)."""
-    processes = cluster.processes
-    writes = [(processes.host_launcher(r), processes.control_file(r), token) for r in ranks]
-    for (el, *_), done in zip(writes, engines.write_on_hosts(writes)):
+    for el, done in _written(cluster, [(r, "release", token) for r in ranks]):
         if el is None and isinstance(done, Exception):  # (a host that ssh cannot reach: its
             raise done  # rank stays in its collective, and is then said to be stuck)
 
@@ -74,14 +72,21 @@ def tell_ranks(cluster, tells: list[tuple[int, str, str]]) -> None:
     (``answer``: a line it asked for), which its agent watches: here, or written on its
     host over ssh, one call for each host. The first failure is raised, after the
     others were written."""
+    for _, done in _written(cluster, tells):
+        if isinstance(done, Exception):
+            raise done
+
+
+def _written(cluster, tells: list[tuple[int, str, str]]) -> list[tuple]:
+    """Each ``(rank, kind, text)`` written in the rank's control file of ``kind``, one call
+    for each host (``engines.write_on_hosts``): each write's host launcher (None here), and
+    None or the exception its host's call raised."""
     processes = cluster.processes
     writes = [
         (processes.host_launcher(rank), processes.control_file(rank, kind), text)
         for rank, kind, text in tells
     ]
-    for done in engines.write_on_hosts(writes):
-        if isinstance(done, Exception):
-            raise done
+    return [(el, done) for (el, *_), done in zip(writes, engines.write_on_hosts(writes))]
 
 
 #: how long ranks wait for each other to meet when the group is rebuilt (they are all

@@ -115,3 +115,29 @@ def memory_text(n: int | None) -> str:
         return "-"
     value, unit = _scaled(n)
     return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+#: how a rank that ended is said where the notebook cannot see its exit status: a rank on
+#: another host, found gone by the controller's heartbeat; one started by ``mpiexec`` or
+#: attached, found gone here. A verdict says instead what the rank's own files say of its
+#: end (``watch.inputs.dead_report``).
+HEARTBEAT_GONE = "stopped answering the controller's heartbeat"
+PROCESS_GONE = "ended (its engine process is gone)"
+UNKNOWN_EXIT = "ended (exit status unknown)"
+UNSEEN_EXITS = frozenset({HEARTBEAT_GONE, PROCESS_GONE, UNKNOWN_EXIT})
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that ended it):
+    'was killed by SIGKILL', 'exited with code 3'."""
+    import signal
+
+    if code is None:
+        return UNKNOWN_EXIT
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"

@@ -1131,6 +1131,8 @@ def test_a_rank_found_dead_after_its_release_reads_as_dead_with_the_signal_its_f
     with them: it reads as dead (not as waiting where it was released), and as killed by
     the signal its fault file names (the notebook cannot see its exit status)."""
     from notebook_dist.cluster.recovery import _from_stacks
+    from notebook_dist.phrases import HEARTBEAT_GONE, UNSEEN_EXITS
+    from notebook_dist.runtime.witness import ENDED_NOTE
     from notebook_dist.watch.inputs import doctor_input
 
     fault: dict = {}
@@ -1141,7 +1143,7 @@ def test_a_rank_found_dead_after_its_release_reads_as_dead_with_the_signal_its_f
     waiting.released = dead.released = True
     for v in (waiting, dead):
         v.before_release = {"collective": rec(1, "all_reduce", 5), "stack": []}
-    dead.exit, dead.result = "stopped answering the controller's heartbeat", None
+    dead.exit, dead.result = HEARTBEAT_GONE, None
     views = {0: waiting, 1: dead}
     report = doctor_input(views, "Cell In[4]", {1: fault}.get, before_release=True)
     assert report[1].status == "dead" and report[1].exit == "was killed by SIGSEGV"
@@ -1158,8 +1160,21 @@ def test_a_rank_found_dead_after_its_release_reads_as_dead_with_the_signal_its_f
     ended: dict = {}
     _from_stacks(f"{EXIT_NOTE}3\n" + FAULT_FILE.split("\n\n", 1)[1], ended)
     assert ended == {"exit_code": 3, "file": "Cell In[4]", "line": 4}
-    dead.exit = "stopped answering the controller's heartbeat"
+    dead.exit = HEARTBEAT_GONE
     assert doctor_input(views, "Cell In[4]", {1: ended}.get)[1].exit == "exited with code 3"
+    # a rank killed from outside (the OOM killer's SIGKILL) leaves no stack: its witness
+    # wrote its exit status (runtime.witness), which is said before what the stacks say
+    killed: dict = {}
+    _from_stacks(f"{ENDED_NOTE}-9\n", killed)
+    assert killed == {"status": -9}
+    assert doctor_input(views, "Cell In[4]", {1: killed}.get)[1].exit == "was killed by SIGKILL"
+    both: dict = {}
+    _from_stacks(FAULT_FILE + f"\n{ENDED_NOTE}-11\n", both)
+    assert doctor_input(views, "Cell In[4]", {1: both}.get)[1].exit == "was killed by SIGSEGV"
+    # every way of finding a rank gone without its exit status is read so
+    for unseen in UNSEEN_EXITS:
+        dead.exit = unseen
+        assert doctor_input(views, "Cell In[4]", {1: killed}.get)[1].exit == "was killed by SIGKILL"
 
 
 TIMED_CELL = (

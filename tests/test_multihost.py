@@ -426,6 +426,10 @@ def test_launcher_ssh_starts_ranks_on_two_hosts(hosts, no_current, run):
     assert {v[5] for v in values.values()} == {a}  # rank 0's own address, not 127.0.0.1
     assert {v[6] for v in values.values()} == {"eth0"}
     pids = [v[7] for v in values.values()]
+    # what ipyparallel started on the hosts is each rank's witness, the engine its child
+    witnesses = [el.pid for el in engine_set.launchers.values()]
+    assert [psutil.Process(p).ppid() for p in pids] == witnesses
+    pids += witnesses
 
     out = run("%%distributed\n" + DDP_IN_SYNC)
     assert out.error is None, out.output
@@ -484,6 +488,8 @@ def test_two_hosts_of_eight_ranks_each(hosts, caplog):
 
     import psutil
     from conftest import until_verdict
+
+    from notebook_dist.errors import ClusterError
 
     t0 = time.monotonic()
     with caplog.at_level(logging.DEBUG, logger="notebook_dist"):
@@ -547,7 +553,19 @@ def test_two_hosts_of_eight_ranks_each(hosts, caplog):
             f"{statistics.median(cells) * 1e3:.0f} ms, the verdict {verdict_s:.1f} s after "
             "the cell began (hang-after 3 s)"
         )
+        # a rank on another host killed from outside (as the OOM killer kills: SIGKILL,
+        # no stack left): its witness there wrote its exit status, and the verdict says it
+        with pytest.raises(ClusterError) as info:
+            cluster.run(
+                "import os, signal\nt = torch.ones(1)\nif nd.rank == 12:\n"
+                "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(t)"
+            )
+        assert str(info.value).startswith("rank 12 was killed by SIGKILL."), str(info.value)
         pids = [r.pid for r in cluster.ranks]
+        # the processes ipyparallel started on the hosts: each rank's witness
+        witnesses = [el.pid for el in cluster.processes.all_launchers()]
+        assert len(witnesses) == 16 and not set(witnesses) & set(pids)
+        pids += witnesses
         # each host's engines stopped by one ssh call: ipyparallel's four round trips an
         # engine, one engine after another, ran past the stop's bound and were given up on
         t0 = time.monotonic()
@@ -662,7 +680,8 @@ def test_a_host_that_stops_answering_leaves_no_ssh_behind_the_shutdown(hosts):
     mac = sh("ip", "-n", "nd-node2", "-br", "link", "show", "eth0").stdout.split()[2]
     try:
         assert dict(cluster.run("nd.rank").values) == {0: 0, 1: 1}
-        watch = f"wait(host=root@{b}, pid={cluster.ranks[1].pid})"
+        # (ipyparallel's watch, on the process it started there: the rank's witness)
+        watch = f"wait(host=root@{b}, pid={cluster.processes.host_launcher(1).pid})"
         assert watch in {t.name for t in threading.enumerate()}
         failed: list[str] = []
         hook = threading.excepthook

@@ -291,6 +291,9 @@ ALLOWED = {
     "its recorded pid with psutil, which checks it is the same process when it signals",
     ("notebook_dist/cluster/engine_launchers.py", "<module>", "code: p.kill("): "the same, "
     "for those of them still running 5 s after TERM",
+    ("notebook_dist/runtime/witness.py", "_witness.forward", "os.kill"): "a rank's witness "
+    "passes the signals sent to it on to its own child, the engine, until it has reaped it "
+    "(a pid is its own until then)",
 }
 
 

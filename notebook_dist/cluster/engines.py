@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import sys
 import time
+
+from ..runtime.witness import FLAG as WITNESS_FLAG
 
 
 # No nanny process per engine: ranks are signalled by pid (one process fewer per rank
@@ -37,6 +38,8 @@ def engine_cmd(
         # controller's heartbeat is gone for 15 checks (9 s at our 100 ms period; 40 s
         # by ipyparallel's default). A busy cell does not count: the pings queue up.
         cmd.append(f"--IPEngine.max_heartbeat_misses={REMOTE_HEARTBEAT_MISSES}")
+        # its exit status kept there, for a verdict to say (``runtime/witness.py``)
+        cmd.append(WITNESS_FLAG)
     return cmd
 
 
@@ -323,15 +326,3 @@ def watches_ended(threads: list, wait_s: float) -> bool:
     for thread in threads:
         thread.join(max(0.0, end - time.monotonic()))
     return not any(t.is_alive() for t in threads)
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "ended (exit status unknown)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..config import DistConfig
 from ..errors import ClusterError, PreflightError
+from ..phrases import describe_exit
 from . import engines, hosts
 
 
@@ -81,7 +82,7 @@ class Launcher:
         if dead:
             code, on_host, log_file, log_tail = engines.end_report(dead[0])
             raise ClusterError(
-                f"an engine{on_host} {engines.describe_exit(code)} while starting"
+                f"an engine{on_host} {describe_exit(code)} while starting"
                 f"{import_hint(log_tail, self.config)}. Its log ({log_file}) ends:\n{log_tail}"
             )
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..config import DistConfig
 from ..errors import ClusterError, PreflightError
-from ..phrases import each_rank
+from ..phrases import HEARTBEAT_GONE, PROCESS_GONE, describe_exit, each_rank
 from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
@@ -215,15 +215,15 @@ class Processes:
             el = self.rank_launchers.get(r.rank)
             if el is not None:
                 if el.exited.is_set():
-                    dead[r.rank] = engines.describe_exit(el.exit_code)
+                    dead[r.rank] = describe_exit(el.exit_code)
             elif self.local(r.rank):  # started by mpiexec or someone else: no exit code
                 if not still_running(r):
-                    dead[r.rank] = "ended (its engine process is gone)"
+                    dead[r.rank] = PROCESS_GONE
             else:
                 if registered is None:
                     registered = set(self.client.ids) if self.client is not None else set()
                 if r.engine_id not in registered:
-                    dead[r.rank] = "stopped answering the controller's heartbeat"
+                    dead[r.rank] = HEARTBEAT_GONE
         return dead
 
     def controller_alive(self) -> bool:

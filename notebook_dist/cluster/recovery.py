@@ -19,6 +19,7 @@ from ..phrases import groups_after_rebuild, rank_list
 from ..runtime import group as rt_group
 from ..runtime import recover as rt_recover
 from ..runtime.state import EXIT_NOTE, rank_file
+from ..runtime.witness import ENDED_NOTE
 from . import engines
 from .ranks import remote_message, rendezvous_port
 
@@ -252,6 +253,9 @@ def _from_stacks(text: str, out: dict) -> None:
     called = EXITED.search(text)
     if called:
         out["exit_code"] = int(called.group(1))
+    ended = ENDED.search(text)
+    if ended:
+        out["status"] = int(ended.group(1))
     section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
     found = False  # the end of the first thread with a cell line or a collective in it
     for line in section.splitlines():
@@ -282,6 +286,8 @@ FATAL_SIGNALS = {
 FATAL_ERROR = re.compile(r"^Fatal Python error: (" + "|".join(FATAL_SIGNALS) + ")", re.MULTILINE)
 #: what a cell's os._exit() wrote before its stack (``runtime.bootstrap``)
 EXITED = re.compile("^" + re.escape(EXIT_NOTE) + r"(-?\d+)$", re.MULTILINE)
+#: the exit status the rank's witness wrote once it ended (``runtime.witness``)
+ENDED = re.compile("^" + re.escape(ENDED_NOTE) + r"(-?\d+)$", re.MULTILINE)
 
 
 def restarted(cluster):

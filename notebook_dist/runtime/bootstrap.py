@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 
-from . import group
+from . import group, witness
 from .state import EXIT_NOTE, STATE, rank_file, user_namespace
 
 
@@ -214,6 +214,7 @@ def _enable_fault_report(path: str) -> None:
     f = open(path, "w")  # noqa: SIM115 - must stay open for the life of the process
     faulthandler.enable(file=f, all_threads=True)
     STATE.extras["fault_file"] = f
+    witness.tell(path)  # (where the rank has one: it writes the exit status there)
     if old is not None:
         old.close()
     if not hasattr(os._exit, "__wrapped__"):

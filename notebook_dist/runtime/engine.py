@@ -11,6 +11,8 @@ import threading
 from types import SimpleNamespace
 from typing import NamedTuple
 
+from . import witness
+
 
 def _preimport() -> None:
     import sys
@@ -251,9 +253,12 @@ def take(prepared: Prepared) -> None:
 
 def main(prepared: Prepared | None = None) -> None:
     """The engine; ``prepared``: what the fork server worked out for it (:class:`Prepared`)."""
-    threading.Thread(target=_preimport, name="notebook_dist-preimport", daemon=True).start()
     import sys
 
+    if witness.FLAG in sys.argv:  # (a rank on another host: before any thread starts)
+        sys.argv.remove(witness.FLAG)
+        witness.split()
+    threading.Thread(target=_preimport, name="notebook_dist-preimport", daemon=True).start()
     args = engine_args(sys.argv[1:])
     if prepared is not None:
         take(prepared)

@@ -8,6 +8,7 @@ was when it was released, a rank whose collective torch's timeout ended as it wa
 from __future__ import annotations
 
 from ..doctor import RankReport
+from ..phrases import UNSEEN_EXITS, describe_exit
 from .progress import RankView
 
 
@@ -42,16 +43,18 @@ def doctor_input(
 
 
 def dead_report(v: RankView, fault: dict) -> RankReport:
-    """A dead rank: how it ended, and where (its fault file). The fatal signal its fault
-    file names, or the code of a cell's ``os._exit()``, says how a rank on another host
-    ended, whose exit status the notebook cannot see (it only finds it gone: "stopped
-    answering the controller's heartbeat")."""
+    """A dead rank: how it ended, and where (its fault file). Where the notebook could not
+    see its exit status (a rank on another host, found gone by the heartbeat), what its own
+    files there say: the status its witness wrote (``runtime.witness``), else the fatal
+    signal faulthandler named or the code of a cell's ``os._exit()``."""
     exit_ = v.exit
-    if "SIG" not in str(exit_) and "code" not in str(exit_):
-        if fault.get("signal"):
+    if exit_ in UNSEEN_EXITS:
+        if fault.get("status") is not None:
+            exit_ = describe_exit(fault["status"])
+        elif fault.get("signal"):
             exit_ = f"was killed by {fault['signal']}"
         elif fault.get("exit_code") is not None:
-            exit_ = f"exited with code {fault['exit_code']}"
+            exit_ = describe_exit(fault["exit_code"])
     return RankReport("dead", v.snap, exit_, v.dead_at, fault=fault)
 
 

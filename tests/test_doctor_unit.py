@@ -1290,3 +1290,21 @@ def test_the_dashboard_says_in_debugger_and_waiting_for_input():
 
     assert _state_of(view("pdb"), hung=False) == "in debugger"
     assert _state_of(view("input"), hung=False) == "waiting for input"
+
+
+def test_a_dead_ranks_report_is_read_again_only_until_its_witness_wrote_how_it_ended():
+    """Each verdict of a cell reads a dead rank's fault report (over ssh for a rank on
+    another host: about a second a call); once its witness wrote how it ended, its files
+    change no more and it is not read again."""
+    from types import SimpleNamespace
+
+    from notebook_dist.watch.verdicts import Verdicts
+
+    reads: list[int] = []
+    said = {1: {"signal": "SIGSEGV", "line": 4}, 2: {"status": -9}}
+    cluster = SimpleNamespace(fault_report=lambda r: reads.append(r) or dict(said[r]))
+    verdicts = Verdicts(cluster, {}, None, None)
+    for _ in range(3):
+        assert verdicts.fault_report(2) == {"status": -9}
+        assert verdicts.fault_report(1) == {"signal": "SIGSEGV", "line": 4}
+    assert reads.count(2) == 1 and reads.count(1) == 3

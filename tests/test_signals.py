@@ -291,6 +291,14 @@ ALLOWED = {
     "its recorded pid with psutil, which checks it is the same process when it signals",
     ("notebook_dist/cluster/engine_launchers.py", "<module>", "code: p.kill("): "the same, "
     "for those of them still running 5 s after TERM",
+    ("notebook_dist/cluster/engine_launchers.py", "held_output", "proc.kill"): "an ssh call "
+    "of ipyparallel's, the kernel's own child by its Popen, interrupted while it ran",
+    (
+        "notebook_dist/cluster/engine_launchers.py",
+        "RankSSHEngineSetLauncher.stop",
+        "proc.kill",
+    ): "the same calls still under way to a host found not answering, by their Popen (one "
+    "that ended is not signalled: Popen checks first)",
     ("notebook_dist/runtime/witness.py", "_witness.forward", "os.kill"): "a rank's witness "
     "passes the signals sent to it on to its own child, the engine, until it has reaped it "
     "(a pid is its own until then)",

@@ -7,6 +7,7 @@ import ipyparallel's launchers, so a fork server can start first (``forks.start_
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import threading
@@ -107,9 +108,23 @@ class RankSSHEngineLauncher(SSHEngineLauncher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.dark: set[str] = set()  # (the engine set gives the one its launchers share)
+        #: each ssh call under way, by the host it asks (the engine set's, shared): the
+        #: stop ends those to a host found not answering (``held_output``)
+        self.held: dict[subprocess.Popen, str] = {}
         #: the launcher of the first engine on this host, once it started: its ssh found
         #: the host's shell and Python and made the profile's folder there
         self.first_on_host: RankSSHEngineLauncher | None = None
+
+    @property
+    def ssh_sender(self):
+        """ipyparallel's, its ssh calls run by :func:`held_output`."""
+        fresh = self._ssh_sender is None
+        sender = super().ssh_sender
+        if fresh:
+            sender._check_output = functools.partial(
+                held_output, sender.log, self.held, self.location
+            )
+        return sender
 
     def start(self, hostname=None, user=None, port=None):
         """ipyparallel's start asks the host its shell, runs its Python, makes the
@@ -138,6 +153,8 @@ class RankSSHEngineLauncher(SSHEngineLauncher):
         try:
             return self._over_ssh(super().wait_one, timeout)
         except subprocess.CalledProcessError as exc:
+            if watching and self._stop_waiting.is_set():  # (its ssh ended by the stop)
+                raise TimeoutError(f"{self.location}: the watch was stopped") from None
             if exc.returncode != 255 or not watching:
                 raise  # (a stop's own wait is told)
             self._stop_waiting.wait(SSH_RETRY_S - (time.monotonic() - began))
@@ -180,6 +197,30 @@ class RankSSHEngineLauncher(SSHEngineLauncher):
 SSH_RETRY_S = 5.0
 
 
+def held_output(log, held: dict, location: str, cmd: list[str], input=None, **kwargs) -> str:
+    """``subprocess.check_output(cmd)`` as ipyparallel's ssh calls run it, its process in
+    ``held`` (by ``location``, the host it asks) while it runs, for the engine set's stop to
+    end: the watch's call to a host that went dark stays open until ssh's own bound (15
+    s), and the stop waits for the watches to end."""
+    log.debug("check_output %s", cmd)
+    text = kwargs.pop("text", True)
+    text = kwargs.pop("universal_newlines", text)
+    stdin = subprocess.PIPE if input is not None else None
+    proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, text=text, **kwargs)
+    held[proc] = location
+    try:
+        out, _ = proc.communicate(input)
+    except BaseException:
+        proc.kill()  # (its own child: ssh, which would otherwise run to its bound)
+        proc.wait()
+        raise
+    finally:
+        held.pop(proc, None)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, output=out)
+    return out
+
+
 class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
     """Engines started over ssh, ``engines`` of them per host (``%dist_init --launcher ssh
     --hosts``); ipyparallel copies the engine connection file to each host first.
@@ -199,6 +240,7 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
         shared = {t: getattr(self, t) for t in inherited}
         groups = []
         self.dark: set[str] = set()  # hosts found not answering over ssh
+        self.held: dict[subprocess.Popen, str] = {}  # their ssh calls under way
         for h, (dest, count) in enumerate(self.engines.items()):
             user, _, host = dest.rpartition("@")
             group = []
@@ -218,7 +260,7 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
                         ),
                     ),
                 )
-                el.dark = self.dark
+                el.dark, el.held = self.dark, self.held
                 if i:
                     el.to_send = []  # the first engine on a host sends the connection file
                 el.on_stop(self._notice_engine_stopped)
@@ -274,6 +316,13 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
         for el in list(self.launchers.values()):
             if getattr(el, "_stop_waiting", None) is not None:
                 el._stop_waiting.set()  # (its watch sees the engine end, or is told to)
+        # a watch's ssh to a host that does not answer stays open until ssh's own bound
+        # (15 s), and the cluster's stop waits for the watches
+        ended = [proc for proc, location in list(self.held.items()) if location in self.dark]
+        for proc in ended:
+            proc.kill()
+        if ended:
+            self.log.debug("ended %d ssh calls to hosts not answering", len(ended))
 
 
 #: what stops a host's engines, run there by its Python over ssh: each one's process

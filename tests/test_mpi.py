@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 
+import psutil
 import pytest
 from conftest import DDP_IN_SYNC, pids_alive, wait_until
 
@@ -40,6 +41,10 @@ def test_mpi_launcher_runs_ranks_in_mpi_order_and_stops_them_all(no_current, run
     assert dict(out.result.result) == {0: True, 1: True}, "DDP replicas differ"
     mpiexec = next(iter(cluster.processes.ipp.engines.values())).pid
     pids = [r.pid for r in cluster.ranks] + [mpiexec, cluster.processes.ipp.controller.pid]
+    # what mpiexec started is each rank's witness (runtime/witness.py), the engine its child
+    witnesses = [psutil.Process(r.pid).ppid() for r in cluster.ranks]
+    assert mpiexec not in witnesses and not set(witnesses) & set(pids), witnesses
+    pids += witnesses
     out = run("%dist_shutdown")
     assert out.stdout.strip() == "notebook_dist: cluster stopped: the controller and 2 ranks."
     wait_until(lambda: not pids_alive(pids), 10)
@@ -62,6 +67,15 @@ def test_a_rank_ending_under_mpi_is_reported_and_restart_brings_fresh_ranks(no_c
     assert fresh is not old and fresh.launcher.name == "mpi"
     assert dict(fresh.run("nd.rank").values) == {0: 0, 1: 1}
     assert pids_alive([r.pid for r in old.ranks]) == []
+    # one killed from outside (the OOM killer's SIGKILL) leaves no stack: its witness
+    # wrote its exit status; it said "ended (its engine process is gone)"
+    out = run(
+        "%%distributed\nimport os, signal, time\nif nd.rank == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)"
+    )
+    assert type(out.error).__name__ == "ClusterError", out.output
+    assert "rank 1 was killed by SIGKILL." in str(out.error), str(out.error)
+    print(f"an mpiexec rank killed: {out.error}")
 
 
 def test_launcher_preflight_errors(no_current, run, monkeypatch):

@@ -21,11 +21,16 @@ from ..runtime.witness import FLAG as WITNESS_FLAG
 # No nanny process per engine: ranks are signalled by pid (one process fewer per rank
 # to start and to clean up).
 def engine_cmd(
-    python: str = sys.executable, remote: bool = False, wait_s: float | None = None
+    python: str = sys.executable,
+    remote: bool = False,
+    wait_s: float | None = None,
+    witness: bool = False,
 ) -> list[str]:
     """``wait_s``: how long an engine waits for its controller's connection file (a local
     cluster's engines can start while the controller does: ``processes.Processes.start``);
-    ipyparallel's engine gives up after 10 s."""
+    ipyparallel's engine gives up after 10 s. ``witness``: the engine's exit status is
+    kept where it ran, for a verdict to say (``runtime/witness.py``): for engines that
+    ``mpiexec``, Slurm or ssh start, whose exit the notebook cannot see."""
     cmd = [python, "-m", "notebook_dist.runtime.engine", "--IPEngine.enable_nanny=False"]
     # a rank's cells are run by notebook_dist (``runtime.cell``), not as the shell's
     # history: its SQLite database (in memory, ipyparallel's choice) would stay empty, and
@@ -38,7 +43,7 @@ def engine_cmd(
         # controller's heartbeat is gone for 15 checks (9 s at our 100 ms period; 40 s
         # by ipyparallel's default). A busy cell does not count: the pings queue up.
         cmd.append(f"--IPEngine.max_heartbeat_misses={REMOTE_HEARTBEAT_MISSES}")
-        # its exit status kept there, for a verdict to say (``runtime/witness.py``)
+    if witness:
         cmd.append(WITNESS_FLAG)
     return cmd
 

@@ -31,6 +31,9 @@ class Launcher:
     watch_rank_pids = False
     #: ranks follow the engines' own order (MPI rank, Slurm task, --hosts), from a probe
     ordered_by_probe = False
+    #: the engines' exit status is seen here (they are this process's children, or the
+    #: fork server's); where not, each engine has a witness (``runtime/witness.py``)
+    exits_seen = True
 
     def __init__(self, config: DistConfig, n: int | None = None, ssh_hosts: dict | None = None):
         self.config = config
@@ -62,7 +65,9 @@ class Launcher:
         # (forked engines can start while the controller does: they wait for it as long as
         # the kernel waits for them)
         wait_s = self.config.start_timeout_s if self.forks_engines else None
-        return engines.engine_cmd(self.config.python, remote=self.remote, wait_s=wait_s)
+        return engines.engine_cmd(
+            self.config.python, remote=self.remote, wait_s=wait_s, witness=not self.exits_seen
+        )
 
     def controller_ip(self) -> str:
         return "127.0.0.1" if self.config.loopback_only else ""
@@ -96,6 +101,7 @@ class MPILauncher(Launcher):
 
     name = "mpi"
     forks_engines = False  # started by their own tool, on their own hosts
+    exits_seen = False
     watch_rank_pids = True
     ordered_by_probe = True
 
@@ -145,6 +151,7 @@ class SlurmLauncher(Launcher):
 
     name = "slurm"
     forks_engines = False  # started by their own tool, on their own hosts
+    exits_seen = False
     watch_rank_pids = True
     ordered_by_probe = True
 
@@ -206,6 +213,7 @@ class SSHLauncher(Launcher):
 
     name = "ssh"
     forks_engines = False  # started by their own tool, on their own hosts
+    exits_seen = False
     remote = True
     ordered_by_probe = True
 

@@ -76,6 +76,10 @@ def test_a_rank_ending_under_mpi_is_reported_and_restart_brings_fresh_ranks(no_c
     assert type(out.error).__name__ == "ClusterError", out.output
     assert "rank 1 was killed by SIGKILL." in str(out.error), str(out.error)
     print(f"an mpiexec rank killed: {out.error}")
+    # and so it is said from then on (the next cell, %dist_status), read here once
+    assert fresh.dead_ranks()[1] == "was killed by SIGKILL"
+    out = run("%%distributed\n1")
+    assert "rank 1 was killed by SIGKILL" in str(out.error), out.output
 
 
 def test_launcher_preflight_errors(no_current, run, monkeypatch):

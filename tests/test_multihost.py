@@ -561,6 +561,8 @@ def test_two_hosts_of_eight_ranks_each(hosts, caplog):
                 "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(t)"
             )
         assert str(info.value).startswith("rank 12 was killed by SIGKILL."), str(info.value)
+        # and so it is said from then on, as the verdict read it (no ssh call again)
+        assert cluster.dead_ranks() == {12: "was killed by SIGKILL"}
         pids = [r.pid for r in cluster.ranks]
         # the processes ipyparallel started on the hosts: each rank's witness
         witnesses = [el.pid for el in cluster.processes.all_launchers()]

@@ -24,6 +24,7 @@ from ..phrases import HEARTBEAT_GONE, PROCESS_GONE, describe_exit, each_rank
 from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
+from ..runtime import witness
 from ..runtime.state import rank_file
 from ..signals import ExitWatch, Started
 from . import engines
@@ -62,6 +63,8 @@ class Processes:
         self.started: list[Started] = []
         #: rank -> its engine's process, for ranks on this machine
         self.rank_procs: dict[int, Started] = {}
+        #: exit statuses the ranks' witnesses wrote, by (rank, pid), once read (``unseen_exit``)
+        self.witnessed: dict[tuple[int, int], int] = {}
         from .spares import SparePool
 
         #: ranks' engines being ended after a restart took fresh ones (joined at stop)
@@ -218,12 +221,12 @@ class Processes:
                     dead[r.rank] = describe_exit(el.exit_code)
             elif self.local(r.rank):  # started by mpiexec or someone else: no exit code
                 if not still_running(r):
-                    dead[r.rank] = PROCESS_GONE
+                    dead[r.rank] = unseen_exit(self, r, PROCESS_GONE)
             else:
                 if registered is None:
                     registered = set(self.client.ids) if self.client is not None else set()
                 if r.engine_id not in registered:
-                    dead[r.rank] = HEARTBEAT_GONE
+                    dead[r.rank] = unseen_exit(self, r, HEARTBEAT_GONE)
         return dead
 
     def controller_alive(self) -> bool:
@@ -581,6 +584,22 @@ def engine_environment(config: DistConfig, launcher: Launcher) -> dict[str, str]
     in place when the process starts, before torch is imported (by the fork server, or by
     the engine's own thread meanwhile: runtime/engine.py) and can read any of it."""
     return {**config.launch_env(), **config.rank_overrides(), **launcher.environment()}
+
+
+def unseen_exit(processes: Processes, r, gone: str) -> str:
+    """How a rank found ``gone`` ended, whose exit status is not seen here: as its witness
+    wrote it (``runtime/witness.py``), read here for a rank on this machine, as the doctor
+    read it for one on another host (``recovery.fault_report``: not read again over ssh);
+    ``gone`` when not known."""
+    key = (r.rank, r.pid)
+    if key not in processes.witnessed and processes.local(r.rank):
+        if not processes.launcher.exits_seen:
+            fault = processes.control_file(r.rank, "fault", r.pid)
+            status = witness.ended_status(engines.read_on_host(None, [fault])[0] or "")
+            if status is not None:
+                processes.witnessed[key] = status
+    status = processes.witnessed.get(key)
+    return gone if status is None else describe_exit(status)
 
 
 def still_running(rank) -> bool:

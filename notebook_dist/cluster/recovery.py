@@ -19,7 +19,7 @@ from ..phrases import groups_after_rebuild, rank_list
 from ..runtime import group as rt_group
 from ..runtime import recover as rt_recover
 from ..runtime.state import EXIT_NOTE, rank_file
-from ..runtime.witness import ENDED_NOTE
+from ..runtime.witness import ended_status
 from . import engines
 from .ranks import remote_message, rendezvous_port
 
@@ -234,6 +234,8 @@ def fault_report(cluster, rank: int) -> dict[str, Any]:
     if rec is not None:
         out["record"] = rec
     _from_stacks(text or "", out)
+    if "status" in out:  # (what its witness wrote: said from now on of the rank's end)
+        processes.witnessed[(rank, pid)] = out["status"]
     if rec and "op" not in out:  # no stack written (a segfault can stop the writer): it
         out["op"] = rec["op"]  # died inside the collective its record holds, still open
         if rec.get("where"):
@@ -253,9 +255,9 @@ def _from_stacks(text: str, out: dict) -> None:
     called = EXITED.search(text)
     if called:
         out["exit_code"] = int(called.group(1))
-    ended = ENDED.search(text)
-    if ended:
-        out["status"] = int(ended.group(1))
+    status = ended_status(text)
+    if status is not None:
+        out["status"] = status
     section = text.split("Current thread", 1)[-1] if "Current thread" in text else text
     found = False  # the end of the first thread with a cell line or a collective in it
     for line in section.splitlines():
@@ -286,8 +288,6 @@ FATAL_SIGNALS = {
 FATAL_ERROR = re.compile(r"^Fatal Python error: (" + "|".join(FATAL_SIGNALS) + ")", re.MULTILINE)
 #: what a cell's os._exit() wrote before its stack (``runtime.bootstrap``)
 EXITED = re.compile("^" + re.escape(EXIT_NOTE) + r"(-?\d+)$", re.MULTILINE)
-#: the exit status the rank's witness wrote once it ended (``runtime.witness``)
-ENDED = re.compile("^" + re.escape(ENDED_NOTE) + r"(-?\d+)$", re.MULTILINE)
 
 
 def restarted(cluster):

@@ -19,6 +19,7 @@ The engine tells the witness the path of its fault file (:func:`tell`) through a
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 
@@ -27,6 +28,8 @@ FLAG = "--notebook-dist-witness"
 #: the line the witness writes at the end of the rank's fault file when its engine ended:
 #: its exit status (negative: the signal that ended it)
 ENDED_NOTE = "notebook_dist: the rank's process ended with status "
+#: :data:`ENDED_NOTE`'s line, its status read (``cluster.recovery``, ``cluster.processes``)
+_ENDED = re.compile("^" + re.escape(ENDED_NOTE) + r"(-?\d+)$", re.MULTILINE)
 #: what the witness passes on to the engine (its stop, an interrupt sent by pid)
 FORWARDED = (
     signal.SIGINT,
@@ -64,6 +67,12 @@ def tell(fault_file: str) -> None:
             os.write(_TO_WITNESS, (fault_file + "\n").encode())
         except OSError:
             pass
+
+
+def ended_status(fault_text: str) -> int | None:
+    """The exit status a witness wrote in a rank's fault file (None: none written)."""
+    found = _ENDED.search(fault_text)
+    return int(found.group(1)) if found else None
 
 
 def _witness(child: int, told: int) -> int:

@@ -231,6 +231,11 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
 
     launcher_class = RankSSHEngineLauncher
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dark: set[str] = set()  # hosts found not answering over ssh
+        self.held: dict[subprocess.Popen, str] = {}  # the ssh calls under way, by host
+
     def start(self, n=None):
         from concurrent.futures import ThreadPoolExecutor
 
@@ -239,8 +244,6 @@ class RankSSHEngineSetLauncher(SSHEngineSetLauncher):
         ) - {"location", "user", "hostname", "to_send", "to_fetch"} | {"profile_dir", "cluster_id"}
         shared = {t: getattr(self, t) for t in inherited}
         groups = []
-        self.dark: set[str] = set()  # hosts found not answering over ssh
-        self.held: dict[subprocess.Popen, str] = {}  # their ssh calls under way
         for h, (dest, count) in enumerate(self.engines.items()):
             user, _, host = dest.rpartition("@")
             group = []

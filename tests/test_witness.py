@@ -97,3 +97,14 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_where_no_witness_can_be_had_the_process_is_the_engine(tmp_path):
+    """Without ``os.waitid`` (macOS's Python before 3.13) there is no fork: the process
+    ipyparallel started stays the engine, and never runs it twice."""
+    script = (
+        "import os\nfrom notebook_dist.runtime import witness\ndel os.waitid\n"
+        "me = os.getpid()\nwitness.split()\nprint(os.getpid() == me, witness._TO_WITNESS)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == "True None\n", out

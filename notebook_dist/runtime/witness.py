@@ -19,10 +19,12 @@ The engine tells the witness the path of its fault file (:func:`tell`) through a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
 import signal
+import sys
 
 #: the engine's command-line flag that asks for a witness (``cluster.engines.engine_cmd``)
 FLAG = "--notebook-dist-witness"
@@ -44,9 +46,18 @@ FORWARDED = (
 _TO_WITNESS: int | None = None
 
 
+def available() -> bool:
+    """Whether this system has what a witness needs (Linux: ``waitid``, which macOS's
+    Python has only from 3.13, and the parent-death signal)."""
+    return sys.platform == "linux" and hasattr(os, "waitid")
+
+
 def split() -> None:
-    """Fork: return in the child, the engine; the parent witnesses it and never returns."""
+    """Fork: return in the child, the engine; the parent witnesses it and never returns.
+    Where no witness can be had, return at once: the engine is this process."""
     global _TO_WITNESS
+    if not available():
+        return
     read_end, write_end = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -56,8 +67,14 @@ def split() -> None:
         _end_with(parent)
         return
     os.close(write_end)
-    code = _witness(pid, read_end)
-    os._exit(code if code >= 0 else 128 - code)
+    code = 1
+    try:
+        code = _witness(pid, read_end)
+    except BaseException:  # (never the engine's code after this: the engine is its child)
+        with contextlib.suppress(BaseException):
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        os._exit(code if code >= 0 else 128 - code)
 
 
 def tell(fault_file: str) -> None:

@@ -119,15 +119,15 @@ def _witness(child: int, told: int) -> int:
         ready, _, _ = select.select(watched, [], [])
         if told in ready:
             data, closed = _read(told)
-            said = _keep_last(said + data)
+            said += data  # (a path each time the rank is made again: a few hundred bytes)
             if closed:  # (by the engine and whatever it forked: no more to say)
                 watched.remove(told)
         _read(wake_read)
     ended = True  # (no signal is passed on once it is reaped)
     os.waitpid(child, 0)
     code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-    said = _keep_last(said + _read(told)[0])  # (what it wrote just before it ended)
-    path = said.rstrip(b"\n").rpartition(b"\n")[2].decode(errors="replace")
+    said += _read(told)[0]  # (what it wrote just before it ended)
+    path = said.rstrip(b"\n").rpartition(b"\n")[2].decode(errors="replace")  # the last
     if path:
         try:
             with open(path, "a") as f:
@@ -148,12 +148,6 @@ def _read(fd: int) -> tuple[bytes, bool]:
         if not data:
             return out, True
         out += data
-
-
-def _keep_last(said: bytes) -> bytes:
-    """The last whole line said (with what follows it), not every path ever said."""
-    whole, _, rest = said.rpartition(b"\n")
-    return whole.rpartition(b"\n")[2] + b"\n" + rest if whole else rest
 
 
 def _end_with(parent: int) -> None:

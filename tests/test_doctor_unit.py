@@ -1130,7 +1130,7 @@ def test_a_rank_found_dead_after_its_release_reads_as_dead_with_the_signal_its_f
     controller's heartbeat misses it, seconds after its peers raised and it was released
     with them: it reads as dead (not as waiting where it was released), and as killed by
     the signal its fault file names (the notebook cannot see its exit status)."""
-    from notebook_dist.cluster.recovery import _from_stacks
+    from notebook_dist.cluster.reports import _from_stacks
     from notebook_dist.phrases import HEARTBEAT_GONE, UNSEEN_EXITS
     from notebook_dist.runtime.witness import ENDED_NOTE
     from notebook_dist.watch.inputs import doctor_input
@@ -1292,19 +1292,29 @@ def test_the_dashboard_says_in_debugger_and_waiting_for_input():
     assert _state_of(view("input"), hung=False) == "waiting for input"
 
 
-def test_a_dead_ranks_report_is_read_again_only_until_its_witness_wrote_how_it_ended():
-    """Each verdict of a cell reads a dead rank's fault report (over ssh for a rank on
-    another host: about a second a call); once its witness wrote how it ended, its files
-    change no more and it is not read again."""
+def test_a_dead_ranks_report_is_read_again_only_until_its_witness_wrote_how_it_ended(tmp_path):
+    """Each verdict of a cell reads a dead rank's report (over ssh for a rank on another
+    host: about a second a call), as does each look at how it ended; once its witness
+    wrote how it ended, its files change no more: it is kept, and not read again."""
     from types import SimpleNamespace
 
-    from notebook_dist.watch.verdicts import Verdicts
+    from notebook_dist.cluster.reports import rank_report
+    from notebook_dist.runtime.state import rank_file
+    from notebook_dist.runtime.witness import ENDED_NOTE
 
-    reads: list[int] = []
-    said = {1: {"signal": "SIGSEGV", "line": 4}, 2: {"status": -9}}
-    cluster = SimpleNamespace(fault_report=lambda r: reads.append(r) or dict(said[r]))
-    verdicts = Verdicts(cluster, {}, None, None)
+    reads: list[str] = []
+
+    def control_file(rank, kind, pid):
+        reads.append(kind)
+        return rank_file(str(tmp_path), kind, rank, pid)
+
+    processes = SimpleNamespace(ended={}, host_launcher=lambda r: None, control_file=control_file)
+    fault = tmp_path / "fault-rank-1-41"
+    fault.write_text(FAULT_FILE)
+    for _ in range(2):  # (faulthandler's stacks, no status yet: read each time)
+        assert rank_report(processes, 1, 41)["signal"] == "SIGSEGV"
+    fault.write_text(FAULT_FILE + f"\n{ENDED_NOTE}-11\n")
     for _ in range(3):
-        assert verdicts.fault_report(2) == {"status": -9}
-        assert verdicts.fault_report(1) == {"signal": "SIGSEGV", "line": 4}
-    assert reads.count(2) == 1 and reads.count(1) == 3
+        report = rank_report(processes, 1, 41)
+        assert report["status"] == -11 and report["line"] == 4
+    assert reads.count("fault") == 3 and processes.ended == {(1, 41): report}

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from notebook_dist.cluster.recovery import _from_stacks
+from notebook_dist.cluster.reports import _from_stacks
 from notebook_dist.runtime.witness import ENDED_NOTE
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the witness is Linux's")

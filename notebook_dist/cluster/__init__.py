@@ -14,6 +14,7 @@ RankValues({0: 0, 1: 1})
 - ``ranks.py``: engines become ranks of the default process group;
 - ``cells.py``: what runs on the ranks (cells, functions, values, status);
 - ``recovery.py``: interrupting, releasing, rebuilding, restarting, replaying;
+- ``reports.py``: what a dead rank left on its host (its fault file, its record);
 - ``attach.py``: a cluster on engines someone else started (``ipcluster``).
 
 Ranks are positions in the cluster's ordered engine list, never raw engine ids (ids
@@ -39,7 +40,7 @@ from ..plan import ClusterPlan, plan_cluster, plan_on_engines
 from ..ranks import parse_ranks
 from ..values import RankValues, shm_dir_for
 from ..watch import CellWatch
-from . import cells, recovery
+from . import cells, recovery, reports
 from . import ranks as rank_setup
 from .launchers import make as make_launcher
 from .processes import (
@@ -323,7 +324,7 @@ class DistCluster:
     stop_ranks = recovery.stop_ranks
     release_collectives = recovery.release_collectives
     rebuild_process_group = recovery.rebuild_process_group
-    fault_report = recovery.fault_report
+    fault_report = reports.fault_report
     restarted = recovery.restarted
     replay = recovery.replay
     stand_in_for = recovery.stand_in_for

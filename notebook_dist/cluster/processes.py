@@ -24,10 +24,9 @@ from ..phrases import HEARTBEAT_GONE, PROCESS_GONE, describe_exit, each_rank
 from ..reaper import Reaper
 from ..runtime import bootstrap as rt_bootstrap
 from ..runtime import host as rt_host
-from ..runtime import witness
 from ..runtime.state import rank_file
 from ..signals import ExitWatch, Started
-from . import engines
+from . import engines, reports
 from .launchers import Launcher
 
 log = logging.getLogger("notebook_dist")
@@ -63,8 +62,8 @@ class Processes:
         self.started: list[Started] = []
         #: rank -> its engine's process, for ranks on this machine
         self.rank_procs: dict[int, Started] = {}
-        #: exit statuses the ranks' witnesses wrote, by (rank, pid), once read (``unseen_exit``)
-        self.witnessed: dict[tuple[int, int], int] = {}
+        #: dead ranks' reports that their witness completed, by (rank, pid) (``reports``)
+        self.ended: dict[tuple[int, int], dict] = {}
         from .spares import SparePool
 
         #: ranks' engines being ended after a restart took fresh ones (joined at stop)
@@ -589,16 +588,11 @@ def engine_environment(config: DistConfig, launcher: Launcher) -> dict[str, str]
 def unseen_exit(processes: Processes, r, gone: str) -> str:
     """How a rank found ``gone`` ended, whose exit status is not seen here: as its witness
     wrote it (``runtime/witness.py``), read here for a rank on this machine, as the doctor
-    read it for one on another host (``recovery.fault_report``: not read again over ssh);
-    ``gone`` when not known."""
+    read it for one on another host (not read again over ssh); ``gone`` when not known."""
     key = (r.rank, r.pid)
-    if key not in processes.witnessed and processes.local(r.rank):
-        if not processes.launcher.exits_seen:
-            fault = processes.control_file(r.rank, "fault", r.pid)
-            status = witness.ended_status(engines.read_on_host(None, [fault])[0] or "")
-            if status is not None:
-                processes.witnessed[key] = status
-    status = processes.witnessed.get(key)
+    if key not in processes.ended and processes.local(r.rank) and not processes.launcher.exits_seen:
+        reports.rank_report(processes, r.rank, r.pid)
+    status = processes.ended.get(key, {}).get("status")
     return gone if status is None else describe_exit(status)
 
 

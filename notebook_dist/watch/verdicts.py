@@ -12,9 +12,6 @@ from .inputs import doctor_input, timed_out
 class Verdicts:
     def __init__(self, cluster, views: dict, prepared, report):
         self.cluster = cluster  # its fault report (a rank Gloo aborted) is read at each verdict
-        #: a dead rank's fault report once it is whole (its witness wrote how it ended: its
-        #: files change no more), not read again, over ssh, at each verdict of the cell
-        self._faults: dict[int, dict] = {}
         self.views = views
         self.prepared = prepared
         self.report = report
@@ -29,7 +26,9 @@ class Verdicts:
 
     def diagnose(self, before_release: bool = False) -> Diagnosis:
         self.diagnosis = diagnose(
-            doctor_input(self.views, self.prepared.filename, self.fault_report, before_release),
+            doctor_input(
+                self.views, self.prepared.filename, self.cluster.fault_report, before_release
+            ),
             now=time.time(),
             cell_file=self.prepared.filename,
             source=self.prepared.source,
@@ -37,14 +36,6 @@ class Verdicts:
             healable=self.cluster.processes.spares_possible(),
         )
         return self.diagnosis
-
-    def fault_report(self, rank: int) -> dict:
-        known = self._faults.get(rank)
-        if known is None:
-            known = self.cluster.fault_report(rank)
-            if "status" in known:
-                self._faults[rank] = known
-        return known
 
     def show(self, waited: float, stopping: str | None) -> bool:
         """The verdict on a hang, said once (again only when it changes); True when said."""

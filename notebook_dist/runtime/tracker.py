@@ -434,7 +434,7 @@ BLACKBOX_SIZE = 1024
 def open_blackbox(path: str):
     """A small file, mapped into memory, that holds the current collective's record:
     written with a copy into memory per collective (no system call), read by the notebook
-    when the rank has died (``notebook_dist.cluster.recovery.fault_report``)."""
+    when the rank has died (``notebook_dist.cluster.reports.rank_report``)."""
     import mmap
 
     with open(path, "w+b") as f:
